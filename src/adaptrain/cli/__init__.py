@@ -1,0 +1,5 @@
+"""The ``adaptrain`` command line (services layer)."""
+
+from adaptrain.cli._main import main
+
+__all__ = ["main"]

@@ -1,0 +1,61 @@
+"""Entry point of the ``adaptrain`` command: one sub-command per module of this package.
+
+Each sub-command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int``. Modules are imported lazily, so ``adaptrain simulate`` never imports torch
+and a missing optional dependency only affects its own sub-command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+# (sub-command, module, one-line help). Imported only when that sub-command runs.
+SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("demo", "adaptrain.cli.demo", "train the character LM on 2 local replicas, autoscaled"),
+    ("simulate", "adaptrain.cli.simulate", "replay a cluster workload trace under a policy"),
+]
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaptrain",
+        description="Adaptive, elastic training on PyTorch and goodput-optimising scheduling.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, _module, help_text in SUBCOMMANDS:
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    names = {name: module for name, module, _ in SUBCOMMANDS}
+    # Find the sub-command, then let its own module parse the rest.
+    head, rest = [], argv
+    while rest and rest[0].startswith("-"):
+        head.append(rest[0])
+        rest = rest[1:]
+    if not rest or rest[0] not in names:
+        args = parser.parse_args(head + rest[:1])
+        parser.print_help()
+        return 0 if not rest else 2
+    common = parser.parse_args(head)
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(common.verbose, 2),
+        format="%(levelname)s:%(name)s:%(message)s",
+    )
+    module = importlib.import_module(names[rest[0]])
+    sub_parser = argparse.ArgumentParser(prog=f"adaptrain {rest[0]}", description=module.HELP)
+    module.add_arguments(sub_parser)
+    args = sub_parser.parse_args(rest[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

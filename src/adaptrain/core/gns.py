@@ -1,0 +1,182 @@
+"""Gradient noise scale: unbiased estimators and their debiased moving averages (pure math).
+
+Notation. ``G = E[g]`` is the true gradient and ``Σ`` the per-sample covariance of the gradient.
+A gradient averaged over a micro-batch of ``b`` samples has ``E|g_b|² = |G|² + tr(Σ)/b``. The
+two statistics of McCandlish et al. (2018, "An Empirical Model of Large-Batch Training",
+arXiv:1812.06162) and AdaScale (Johnson et al., 2020, arXiv:2007.05105) are
+
+* ``sqr = |G|²`` — the squared norm of the true gradient;
+* ``var = tr(Σ) / B0`` — the gradient variance *at the base batch size* ``B0``.
+
+From ``K ≥ 2`` independent micro-batch gradients ``g_1..g_K`` (each of ``b`` samples) and their
+mean ``ḡ``, with ``L = mean_i |g_i|²`` and ``T = |ḡ|²``::
+
+    E[L] = |G|² + tr(Σ)/b           E[T] = |G|² + tr(Σ)/(K b)
+    sqr  = (K·T − L) / (K − 1)      var  = (L − T) · K / (K − 1) · b / B0
+
+Both are unbiased. ``K`` is replicas × accumulation steps; a single replica without
+accumulation uses two consecutive steps as ``K = 2`` (the gradient drifts slowly between steps).
+
+The AdaScale gain at scale ``S = B / B0`` is ``r = (var + sqr) / (var/S + sqr)`` and lies in
+``[1, S]``. Everything here works on Python floats, numpy arrays and torch tensors alike, does
+no I/O and never touches ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+__all__ = [
+    "GNSEstimate",
+    "unbiased_estimate",
+    "gain",
+    "sqrt_gain",
+    "EMAState",
+    "ema_init",
+    "ema_update",
+    "ema_value",
+    "is_finite",
+]
+
+
+class GNSEstimate(NamedTuple):
+    """One sample of the gradient statistics: ``sqr = |G|²`` and ``var = tr(Σ)/B0``."""
+
+    sqr: Any
+    var: Any
+
+
+def _isfinite_scalar(x: Any) -> bool:
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return bool(torch.isfinite(x).all())
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        pass
+    try:
+        import numpy as np
+
+        return bool(np.all(np.isfinite(x)))
+    except TypeError:
+        return math.isfinite(float(x))
+
+
+def is_finite(*values: Any) -> bool:
+    """True when every value (float, array or tensor) is finite."""
+    return all(_isfinite_scalar(v) for v in values)
+
+
+def unbiased_estimate(local_sqr: Any, total_sqr: Any, count: int, micro_scale: float) -> GNSEstimate:
+    """Unbiased ``(sqr, var)`` from ``count ≥ 2`` micro-batch gradients.
+
+    Args:
+        local_sqr: mean over the ``count`` micro-batches of ``|g_i|²``, each ``g_i`` the *mean*
+            gradient of its micro-batch.
+        total_sqr: ``|ḡ|²``, the squared norm of the average of the ``count`` gradients.
+        count: the number ``K`` of micro-batch gradients averaged into ``ḡ``.
+        micro_scale: ``b / B0``, the micro-batch size over the base batch size at which ``var``
+            is expressed.
+
+    Returns:
+        :class:`GNSEstimate` — raw (unclipped) samples; ``sqr`` or ``var`` can be negative for a
+        single noisy sample, which is why they are averaged (:func:`ema_update`) before use.
+
+    Raises:
+        ValueError: if ``count < 2`` (nothing to estimate the variance from) or ``micro_scale``
+            is not positive.
+    """
+    if count < 2:
+        raise ValueError(
+            f"count={count}: the noise scale needs at least 2 micro-batch gradients "
+            "(replicas × accumulation steps ≥ 2, or two consecutive steps)"
+        )
+    if not micro_scale > 0:
+        raise ValueError(f"micro_scale={micro_scale} must be positive (micro-batch / base batch)")
+    sqr = (count * total_sqr - local_sqr) / (count - 1)
+    var = (local_sqr - total_sqr) * count / (count - 1) * micro_scale
+    return GNSEstimate(sqr, var)
+
+
+def gain(sqr: Any, var: Any, scale: Any) -> Any:
+    """AdaScale gain ``r = (var + sqr) / (var/scale + sqr)``; 1 where the statistics are empty.
+
+    ``sqr`` and ``var`` are clipped at 0 (a raw average can dip below), so ``1 ≤ r ≤ scale``.
+    """
+    import numpy as np
+
+    if _is_tensor(sqr) or _is_tensor(var) or _is_tensor(scale):
+        import torch
+
+        sqr_t = torch.as_tensor(sqr, dtype=torch.float64).clamp_min(0.0)
+        var_t = torch.as_tensor(var, dtype=torch.float64).clamp_min(0.0)
+        scale_t = torch.as_tensor(scale, dtype=torch.float64)
+        denom = var_t / scale_t + sqr_t
+        safe = torch.where(denom > 0, denom, torch.ones_like(denom))
+        return torch.where(denom > 0, (var_t + sqr_t) / safe, torch.ones_like(denom))
+    sqr_a = np.maximum(np.asarray(sqr, dtype=np.float64), 0.0)
+    var_a = np.maximum(np.asarray(var, dtype=np.float64), 0.0)
+    scale_a = np.asarray(scale, dtype=np.float64)
+    denom = var_a / scale_a + sqr_a
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out = np.where(denom > 0, (var_a + sqr_a) / np.where(denom > 0, denom, 1.0), 1.0)
+    return float(out) if out.ndim == 0 else out
+
+
+def sqrt_gain(sqr: Any, var: Any, scale: Any) -> Any:
+    """Square-root AdaScale gain ``sqrt(r)``, the variant AdaptDL applies to Adam/AdamW/RMSprop.
+
+    Adaptive optimizers normalise the update by a running second moment, so scaling the step
+    by the full gain over-shoots; the square root keeps ``1 ≤ factor ≤ sqrt(scale)``.
+    """
+    g = gain(sqr, var, scale)
+    return g**0.5
+
+
+def _is_tensor(x: Any) -> bool:
+    try:
+        import torch
+
+        return isinstance(x, torch.Tensor)
+    except ImportError:  # pragma: no cover
+        return False
+
+
+class EMAState(NamedTuple):
+    """State of a bias-corrected exponential moving average (Adam-style debiasing).
+
+    ``biased`` is the raw average started at 0 and ``weight`` the total weight given to samples
+    so far (``1 − θ^n`` for a constant θ); the debiased value is ``biased / weight``.
+    """
+
+    biased: Any
+    weight: Any
+    count: int
+
+
+def ema_init(zero: Any = 0.0) -> EMAState:
+    """A fresh moving average; ``zero`` fixes the value's shape and type (float, array, tensor)."""
+    return EMAState(biased=zero * 0.0, weight=zero * 0.0, count=0)
+
+
+def ema_update(state: EMAState, value: Any, smoothing: float) -> EMAState:
+    """Fold one sample into the average: ``biased ← θ·biased + (1−θ)·value`` with θ = smoothing.
+
+    A non-finite sample (an overflowing step under loss scaling, a NaN loss) leaves the state
+    unchanged, so it never reaches the estimate.
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing={smoothing} must lie in [0, 1)")
+    if not is_finite(value):
+        return state
+    biased = smoothing * state.biased + (1.0 - smoothing) * value
+    weight = smoothing * state.weight + (1.0 - smoothing)
+    return EMAState(biased=biased, weight=weight, count=state.count + 1)
+
+
+def ema_value(state: EMAState) -> Any:
+    """The debiased average ``biased / weight`` (0 before any sample)."""
+    if state.count == 0:
+        return state.biased
+    return state.biased / state.weight

@@ -1,0 +1,152 @@
+"""Accessors for the job's environment: the only module of adaptrain that reads ``os.environ``.
+
+Each accessor mirrors ``adaptdl.env`` with ``ADAPTRAIN_*`` where AdaptDL reads ``ADAPTDL_*``.
+torchrun's standard variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RESTART_COUNT``) are
+honoured as fallbacks, so a script launched by ``torchrun`` needs no ``ADAPTRAIN_*`` variable.
+
+Precedence for every value: ``ADAPTRAIN_*`` first, then torchrun's variable, then the default.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "adaptrain_sched_version",
+    "checkpoint_path",
+    "from_ray",
+    "job_id",
+    "local_rank",
+    "master_addr",
+    "master_port",
+    "num_nodes",
+    "num_replicas",
+    "num_restarts",
+    "replica_rank",
+    "share_path",
+    "supervisor_url",
+    "tensorboard_path",
+    "launched_by_torchrun",
+]
+
+
+def _get(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None and value != "":
+            return value
+    return None
+
+
+def _get_int(default: int, *names: str) -> int:
+    value = _get(*names)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {next(n for n in names if os.environ.get(n))}={value!r} "
+            "is not an integer; unset it or give a whole number"
+        ) from None
+
+
+def checkpoint_path() -> str | None:
+    """Directory for saving and loading checkpoints (``ADAPTRAIN_CHECKPOINT_PATH``), or None.
+
+    Checkpoint-restart is enabled only when this is set.
+    """
+    return _get("ADAPTRAIN_CHECKPOINT_PATH")
+
+
+def share_path() -> str | None:
+    """Directory shared by all replicas of the job (``ADAPTRAIN_SHARE_PATH``), or None."""
+    return _get("ADAPTRAIN_SHARE_PATH")
+
+
+def tensorboard_path() -> str | None:
+    """Directory for TensorBoard event files (``ADAPTRAIN_TENSORBOARD_LOGDIR``), or None."""
+    return _get("ADAPTRAIN_TENSORBOARD_LOGDIR")
+
+
+def job_id() -> str | None:
+    """Unique identifier of the job (``ADAPTRAIN_JOB_ID``, else ``TORCHELASTIC_RUN_ID``), or None."""
+    value = _get("ADAPTRAIN_JOB_ID")
+    if value is None:
+        run_id = _get("TORCHELASTIC_RUN_ID")
+        # torchrun's default run id "none" is no identity.
+        value = run_id if run_id not in (None, "none") else None
+    return value
+
+
+def num_restarts() -> int:
+    """Times the job was restarted (``ADAPTRAIN_NUM_RESTARTS``, else torchrun's restart count)."""
+    return _get_int(0, "ADAPTRAIN_NUM_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
+
+
+def num_replicas() -> int:
+    """Total number of replicas (``ADAPTRAIN_NUM_REPLICAS``, else ``WORLD_SIZE``), default 1."""
+    return _get_int(1, "ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE")
+
+
+def replica_rank() -> int:
+    """Rank of this replica in 0..K-1 (``ADAPTRAIN_REPLICA_RANK``, else ``RANK``), default 0."""
+    return _get_int(0, "ADAPTRAIN_REPLICA_RANK", "RANK")
+
+
+def local_rank() -> int:
+    """Rank of this replica on its node (``ADAPTRAIN_LOCAL_RANK``, else ``LOCAL_RANK``), default 0."""
+    return _get_int(0, "ADAPTRAIN_LOCAL_RANK", "LOCAL_RANK")
+
+
+def num_nodes() -> int:
+    """Number of distinct nodes (``ADAPTRAIN_NUM_NODES``).
+
+    Without it, torchrun's ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is used when both are set, else
+    :func:`num_replicas` (one replica per node), as AdaptDL does.
+    """
+    value = _get("ADAPTRAIN_NUM_NODES")
+    if value is not None:
+        return _get_int(1, "ADAPTRAIN_NUM_NODES")
+    local_world = _get("LOCAL_WORLD_SIZE")
+    if local_world is not None and _get("ADAPTRAIN_NUM_REPLICAS") is None:
+        lw = _get_int(1, "LOCAL_WORLD_SIZE")
+        return max(1, num_replicas() // max(lw, 1))
+    return num_replicas()
+
+
+def master_addr() -> str:
+    """Address of the rank-0 replica (``ADAPTRAIN_MASTER_ADDR``, else ``MASTER_ADDR``).
+
+    Default ``127.0.0.1``: a single-process job needs no network.
+    """
+    return _get("ADAPTRAIN_MASTER_ADDR", "MASTER_ADDR") or "127.0.0.1"
+
+
+def master_port() -> int:
+    """Port of the rank-0 replica (``ADAPTRAIN_MASTER_PORT``, else ``MASTER_PORT``), or 0 if unset.
+
+    0 means "not set": a single-process job then picks a free port itself.
+    """
+    return _get_int(0, "ADAPTRAIN_MASTER_PORT", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (torch.distributed.elastic) started this process."""
+    return _get("TORCHELASTIC_RUN_ID") is not None or _get("TORCHELASTIC_RESTART_COUNT") is not None
+
+
+def supervisor_url() -> str | None:
+    """URL of the scheduler's supervisor (``ADAPTRAIN_SUPERVISOR_URL``), or None when standalone."""
+    return _get("ADAPTRAIN_SUPERVISOR_URL")
+
+
+def adaptrain_sched_version() -> str | None:
+    """Version of the scheduler that started the job (``ADAPTRAIN_SCHED_VERSION``), or None."""
+    return _get("ADAPTRAIN_SCHED_VERSION")
+
+
+def from_ray() -> bool:
+    """True when the job runs under the Ray backend (``ADAPTRAIN_RAY`` set to a true value)."""
+    return (_get("ADAPTRAIN_RAY") or "").lower() in ("1", "true", "yes")

@@ -1,0 +1,40 @@
+import pytest
+import torch
+import torch.distributed as dist
+
+from adaptrain.dist.spawn import SpawnError, spawn
+
+
+def _allreduce(rank, world_size, x):
+    t = torch.tensor([x * (rank + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    dist.barrier()
+    return rank
+
+
+def _hang(rank, world_size):
+    if rank == 0:
+        import time
+
+        time.sleep(60)
+    return rank
+
+
+def test_spawn_allreduce_results_by_rank():
+    assert spawn(_allreduce, 3, args=(1.0,), timeout=60) == [6.0, 6.0, 6.0]
+
+
+def test_spawn_surfaces_child_traceback():
+    with pytest.raises(SpawnError, match="boom from rank 1"):
+        spawn(_raise_on_one, 2, timeout=60)
+
+
+def test_spawn_times_out():
+    with pytest.raises(SpawnError, match="timed out"):
+        spawn(_hang, 2, timeout=8, init=False)
