@@ -38,3 +38,15 @@ def test_spawn_surfaces_child_traceback():
 def test_spawn_times_out():
     with pytest.raises(SpawnError, match="timed out"):
         spawn(_hang, 2, timeout=8, init=False)
+
+
+def _return_tensor(rank, world_size):
+    t = torch.arange(4, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    return t
+
+
+def test_spawn_returns_tensors():
+    out = spawn(_return_tensor, 2, timeout=60)
+    for t in out:
+        torch.testing.assert_close(t, torch.arange(4, dtype=torch.float32) * 3)

@@ -13,7 +13,7 @@ Used by the test-suite and the benchmarks, and handy for users' own tests::
 
 Each child gets ``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set, joins
 a gloo process group (unless ``init=False``), runs ``fn(rank, world_size, *args)`` and sends its
-return value (which must pickle) back. A child that raises makes :func:`spawn` raise
+return value (which must pickle; tensors are fine) back. A child that raises makes :func:`spawn` raise
 :class:`SpawnError` carrying the child's traceback; a group that runs past ``timeout`` seconds is
 killed and :class:`SpawnError` says so. ``fn`` must be importable (defined at module level).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -90,7 +91,9 @@ def _child(
 
                 if dist.is_initialized():
                     dist.destroy_process_group()
-        queue.put((rank, True, result))
+        # Plain pickle to bytes: torch's multiprocessing reducers would send tensors as shared
+        # memory handles, which die with this process before the parent opens them.
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         queue.put((rank, False, traceback.format_exc()))
 
@@ -165,7 +168,7 @@ def spawn(
                         ) from None
                 continue
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append((rank, payload))
                 # The others are likely failing too, or blocked in a collective: give them a
@@ -177,7 +180,7 @@ def spawn(
                     except Exception:
                         continue
                     if ok2:
-                        results[r2] = p2
+                        results[r2] = pickle.loads(p2)
                     else:
                         failures.append((r2, p2))
                 break

@@ -1,0 +1,175 @@
+"""Sparsified SGD with memory (Stich, Cordonnier & Jaggi, 2018), API-compatible with
+mlbench-core's ``SparsifiedSGD`` and ``CentralizedSparsifiedSGD``.
+
+Per parameter ``p`` (memory ``m``, ``k = sparse_grad_size``)::
+
+    a = m + lr · (grad + weight_decay · p)
+    I = random-k (random_sparse=True) or one random block of k coordinates (default),
+        drawn from a generator seeded by (seed + parameter index, step): equal on all workers
+    p[I] ← p[I] − mean_workers(a[I])      (sum with average_world=False)
+    m ← a with a[I] = 0                     (memory keeps exactly what was not applied)
+
+:meth:`SparsifiedSGD.update_estimated_weights` keeps the weighted average of iterates of the
+paper's Theorem 2.4 (``ρ_t`` with shift ``τ = numel / k``). Unlike mlbench-core, the model's
+weights are never re-initialised, any parameter shape works, and selection is seeded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.optimizer import required
+
+from adaptrain.core.compress import LocalCommunicator, SparseState, sparse_update
+from adaptrain.dist.hooks import default_communicator
+from adaptrain.optim._centralized import group_world_size
+
+__all__ = ["SparsifiedSGD", "CentralizedSparsifiedSGD"]
+
+
+class SparsifiedSGD(Optimizer):
+    """Single-worker sparsified SGD with memory.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        weight_decay: L2 penalty.
+        sparse_grad_size: number ``k`` of coordinates applied per parameter per step.
+        random_sparse: random-k selection instead of a random block (keyword extension).
+        seed: selection seed (keyword extension).
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=required,
+        weight_decay=0,
+        sparse_grad_size=10,
+        *,
+        random_sparse: bool = False,
+        seed: int = 0,
+    ) -> None:
+        if lr is not required and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if int(sparse_grad_size) < 1:
+            raise ValueError(f"sparse_grad_size={sparse_grad_size} must be a positive integer")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.num_coordinates = int(sparse_grad_size)
+        self.random_sparse = random_sparse
+        self.seed = int(seed)
+        for p in self._params():
+            st = self.state[p]
+            st["memory"] = torch.zeros_like(p)
+            st["estimated_w"] = p.detach().clone()
+            st["sparse_step"] = 0
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _comm(self):
+        return LocalCommunicator()
+
+    def _round(self, param: torch.nn.Parameter, lr: float, weight_decay: float, index: int, comm):
+        st = self.state[param]
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        x = grad.add(param, alpha=weight_decay) if weight_decay != 0 else grad
+        res, new = sparse_update(
+            x.detach() * lr,
+            SparseState(st["memory"], int(st["sparse_step"]), self.seed + index),
+            comm,
+            k=self.num_coordinates,
+            method="randomk" if self.random_sparse else "block",
+        )
+        st["memory"] = new.memory
+        st["sparse_step"] = new.step
+        return res
+
+    @torch.no_grad()
+    def sparsify_gradients(self, param: torch.nn.Parameter, lr: float) -> torch.Tensor:
+        """Add ``lr · grad`` to the memory, take k coordinates out; returns ``[indices; values]``.
+
+        The returned ``2 × k`` tensor holds the flat indices (as floats) and the values to
+        subtract from the parameter; the memory no longer holds them.
+        """
+        index = next(i for i, p in enumerate(self._params()) if p is param)
+        wd = next(
+            g["weight_decay"] for g in self.param_groups if any(q is param for q in g["params"])
+        )
+        res = self._round(param, lr, wd, index, LocalCommunicator())
+        return torch.stack([res.indices.to(res.values.dtype), res.values])
+
+    def _scale(self, comm) -> float:
+        return 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        """One sparsified step for every parameter; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        comm = self._comm()
+        scale = self._scale(comm)
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None or comm.world_size > 1:
+                    res = self._round(p, group["lr"], group["weight_decay"], index, comm)
+                    p.sub_(res.update if scale == 1.0 else res.update * scale)
+                index += 1
+        return loss
+
+    @torch.no_grad()
+    def update_estimated_weights(self, iteration: int, sparse_vector_size: int) -> None:
+        """``w̄ ← (1−ρ) w̄ + ρ w`` with ``ρ = 6(t+τ)² / ((1+t)(6τ² + t + 6τt + 2t²))``, ``τ = numel/k``."""
+        t = float(iteration)
+        for p in self._params():
+            tau = p.numel() / float(sparse_vector_size)
+            rho = 6 * (t + tau) ** 2 / ((1 + t) * (6 * tau**2 + t + 6 * tau * t + 2 * t**2))
+            est = self.state[p]["estimated_w"]
+            est.mul_(1 - rho).add_(p, alpha=rho)
+
+    def get_estimated_weights(self) -> list[torch.Tensor]:
+        """The weighted-average parameters, one tensor per parameter."""
+        return [self.state[p]["estimated_w"] for p in self._params()]
+
+
+class CentralizedSparsifiedSGD(SparsifiedSGD):
+    """Sparsified SGD with memory where the workers average the selected coordinates.
+
+    All workers select the same coordinates (shared seed), so one all-reduce of ``k`` values
+    per parameter replaces the dense gradient all-reduce.
+    """
+
+    def __init__(
+        self,
+        params=None,
+        lr=required,
+        weight_decay=0,
+        sparse_grad_size=10,
+        random_sparse=False,
+        world_size=1,
+        average_world=True,
+        *,
+        seed: int = 0,
+        process_group: Any = None,
+    ) -> None:
+        if params is None:
+            raise ValueError("params=None: pass the parameters to optimize")
+        super().__init__(
+            params, lr, weight_decay, sparse_grad_size, random_sparse=random_sparse, seed=seed
+        )
+        if world_size != 1:
+            group_world_size(world_size, process_group)
+        self.average_world = average_world
+        self.process_group = process_group
+
+    def _comm(self):
+        return default_communicator(self.process_group)
+
+    def _scale(self, comm) -> float:
+        return 1.0 if self.average_world else float(comm.world_size)

@@ -1,0 +1,423 @@
+"""mlbench-compatible optimizers: multi-process (gloo) equivalence, replay, and seed fixes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from adaptrain.dist.spawn import spawn
+from adaptrain.optim._centralized import (
+    CentralizedAdam,
+    CentralizedSGD,
+    CustomCentralizedOptimizer,
+    GenericCentralizedOptimizer,
+)
+from adaptrain.optim._decentralized import DecentralizedSGD, ring_neighbors
+from adaptrain.optim._fp16 import FP16Optimizer
+from adaptrain.optim._powersgd import PowerSGD
+from adaptrain.optim._sign import SignSGD
+from adaptrain.optim._sparsified import CentralizedSparsifiedSGD, SparsifiedSGD
+
+BATCH, STEPS = 24, 3
+
+
+def _np(obj):
+    """Tensors → numpy for the trip back from spawned workers (tensors sent through the
+    result queue use shared-memory fds and hang once the sender exits)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _np(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_np(v) for v in obj)
+    return obj
+
+
+def _t(obj):
+    """Inverse of :func:`_np` (numpy arrays → tensors)."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj)
+    if isinstance(obj, dict):
+        return {k: _t(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_t(v) for v in obj)
+    return obj
+
+
+def _data():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x[: BATCH * STEPS], dtype=torch.float32) / 16, torch.tensor(
+        y[: BATCH * STEPS]
+    )
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10))
+
+
+def _make(kind: str, model: torch.nn.Module, ws: int):
+    if kind == "sgd":
+        return CentralizedSGD(ws, model, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    if kind == "sgd_by_layer":
+        return CentralizedSGD(ws, model, lr=0.1, momentum=0.9, by_layer=True)
+    if kind == "adam":
+        return CentralizedAdam(ws, model, lr=0.01, amsgrad=True)
+    if kind == "custom":
+        inner = torch.optim.SGD(model.parameters(), lr=0.2)
+        return CustomCentralizedOptimizer(
+            model, ws, inner, grad_clip=0.5, average_world=True, divide_before=True
+        )
+    if kind == "custom_denom":
+        inner = torch.optim.SGD(model.parameters(), lr=0.2)
+        return CustomCentralizedOptimizer(model, ws, inner, average_custom=True)
+    if kind == "powersgd_full":
+        return PowerSGD(model, lr=0.1, momentum=0.9, rank=16, world_size=ws)
+    if kind == "sparse_dense":  # k ≥ numel of every parameter: plain SGD on the mean gradient
+        return CentralizedSparsifiedSGD(
+            model.parameters(), lr=0.1, sparse_grad_size=10_000, world_size=ws
+        )
+    raise ValueError(kind)
+
+
+def _reference(kind: str) -> torch.nn.Module:
+    """Single process, concatenated batch, the plain torch optimizer."""
+    x, y = _data()
+    model = _model()
+    if kind == "sgd":
+        opt = torch.optim.SGD(
+            model.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3
+        )
+    elif kind in ("sgd_by_layer", "powersgd_full"):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    elif kind == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=0.01, amsgrad=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.2 if kind.startswith("custom") else 0.1)
+    for s in range(STEPS):
+        xb, yb = x[s * BATCH : (s + 1) * BATCH], y[s * BATCH : (s + 1) * BATCH]
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xb), yb)
+        if kind == "custom_denom":  # workers sum per-sample losses, divide by the global count
+            loss = torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum") / BATCH
+        loss.backward()
+        if kind == "custom":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+    return model
+
+
+class _Tracker:
+    def __init__(self) -> None:
+        self.agg = self.opt = 0
+
+    def record_batch_agg(self) -> None:
+        self.agg += 1
+
+    def record_batch_opt_step(self) -> None:
+        self.opt += 1
+
+
+def _centralized_worker(rank, ws, kinds):
+    x, y = _data()
+    per = BATCH // ws
+    out = {}
+    for kind in kinds:
+        model = _model()
+        opt = _make(kind, model, ws)
+        tracker = _Tracker()
+        for s in range(STEPS):
+            lo = s * BATCH + rank * per
+            xb, yb = x[lo : lo + per], y[lo : lo + per]
+            opt.zero_grad()
+            if kind == "custom_denom":
+                loss = torch.nn.functional.cross_entropy(model(xb), yb, reduction="sum")
+                loss.backward()
+                opt.step(tracker=tracker, denom=torch.tensor(float(BATCH)))
+            else:
+                torch.nn.functional.cross_entropy(model(xb), yb).backward()
+                if isinstance(opt, (GenericCentralizedOptimizer, PowerSGD)):
+                    opt.step(tracker=tracker)
+                else:
+                    opt.step()
+        out[kind] = ([p.detach().clone() for p in model.parameters()], tracker.agg, tracker.opt)
+    return _np(out)
+
+
+KINDS = ["sgd", "sgd_by_layer", "adam", "custom", "custom_denom", "powersgd_full", "sparse_dense"]
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_centralized_match_concatenated_batch_and_stay_identical(ws):
+    res = _t(spawn(_centralized_worker, ws, args=(KINDS,), timeout=240))
+    for kind in KINDS:
+        ref = list(_reference(kind).parameters())
+        params0 = res[0][kind][0]
+        for r in range(1, ws):  # replicas bit-identical
+            for a, b in zip(params0, res[r][kind][0]):
+                assert torch.equal(a, b), kind
+        for a, b in zip(params0, ref):
+            assert_close(a, b.detach(), rtol=1e-4, atol=1e-5, msg=kind)
+        if kind not in ("sparse_dense",):
+            assert res[0][kind][1:] == (STEPS, STEPS), kind  # tracker hooks called
+
+
+def _train(opt, model, x, y, steps, start=0, per=8, rank=0):
+    for s in range(start, start + steps):
+        lo = s * 2 * per + rank * per
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[lo : lo + per]), y[lo : lo + per]).backward()
+        opt.step()
+
+
+def _replay_worker(rank, ws, kinds):
+    return _np({kind: _replay_one(rank, ws, kind) for kind in kinds})
+
+
+def _replay_one(rank, ws, kind):
+    """Compressed optimizers: replicas identical; state_dict save → load → replay is exact."""
+    x, y = _data()
+    model = _model()
+
+    def make(m):
+        if kind == "powersgd":
+            return PowerSGD(m, lr=0.1, momentum=0.9, rank=2, reuse_query=True, world_size=ws)
+        if kind == "sparse":
+            return CentralizedSparsifiedSGD(
+                m.parameters(),
+                lr=0.1,
+                sparse_grad_size=7,
+                random_sparse=True,
+                world_size=ws,
+                seed=3,
+            )
+        if kind == "sign_mv":
+            return SignSGD(m.parameters(), lr=0.01, momentum=0.9, majority_vote=True)
+        return SignSGD(m.parameters(), lr=0.01, error_feedback=True)
+
+    opt = make(model)
+    _train(opt, model, x, y, 2, rank=rank)
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+    _train(opt, model, x, y, 2, start=2, rank=rank)
+    first = [p.detach().clone() for p in model.parameters()]
+    model2 = _model(seed=99)
+    model2.load_state_dict(saved[0])
+    opt2 = make(model2)
+    opt2.load_state_dict(saved[1])
+    _train(opt2, model2, x, y, 2, start=2, rank=rank)
+    second = [p.detach().clone() for p in model2.parameters()]
+    return first, second, list(_model().parameters())
+
+
+def test_compressed_optimizers_identical_replicas_and_replay():
+    kinds = ["powersgd", "sparse", "sign_mv", "sign_ef"]
+    out = _t(spawn(_replay_worker, 2, args=(kinds,), timeout=240))
+    for kind in kinds:
+        res = [out[0][kind], out[1][kind]]
+        for a, b in zip(res[0][0], res[1][0]):
+            assert torch.equal(a, b), kind  # replicas bit-identical
+        for a, b in zip(res[0][0], res[0][1]):
+            assert torch.equal(a, b), kind  # replay from the saved state is exact
+        init = res[0][2]
+        assert any(not torch.equal(a, b) for a, b in zip(res[0][0], init)), kind  # it trained
+
+
+def _sign_vote_worker(rank, ws):
+    torch.manual_seed(rank)
+    p = torch.nn.Parameter(torch.zeros(11))
+    p.grad = torch.randn(11)
+    grads = [torch.empty(11) for _ in range(ws)]
+    torch.distributed.all_gather(grads, p.grad)
+    SignSGD([p], lr=0.5, majority_vote=True).step()
+    return _np((p.detach(), torch.stack(grads)))
+
+
+def test_sign_majority_vote_is_sign_of_summed_signs():
+    res = _t(spawn(_sign_vote_worker, 3, timeout=120))
+    grads = res[0][1]
+    expected = -0.5 * torch.sign(torch.where(grads >= 0, 1.0, -1.0).sum(0))
+    for p, _ in res:
+        assert torch.equal(p, expected)
+
+
+def _gossip_worker(rank, ws, rounds):
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(3, 2)
+    init = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+    opt = DecentralizedSGD(rank, ring_neighbors(rank, ws), model, lr=0.1)
+    spread = []
+    for _ in range(rounds):
+        opt.zero_grad()  # no gradients: pure gossip
+        opt.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        spread.append(flat)
+    return _np((init, spread))
+
+
+def test_decentralized_gossip_reaches_consensus_on_ring():
+    res = _t(spawn(_gossip_worker, 4, args=(40,), timeout=180))
+    mean = torch.stack([r[0] for r in res]).mean(0)
+    finals = [r[1][-1] for r in res]
+    for f in finals:
+        assert_close(f, mean, rtol=0, atol=1e-6)
+    early = max(float((r[1][0] - mean).abs().max()) for r in res)
+    assert early > 1e-3  # not trivially equal after one round
+
+
+def test_decentralized_accepts_rank_zero_and_validates():
+    m = torch.nn.Linear(2, 2)
+    assert DecentralizedSGD(0, [1], m, lr=0.1).rank == 0
+    with pytest.raises(ValueError, match="rank=None"):
+        DecentralizedSGD(None, [1], m, lr=0.1)
+    with pytest.raises(ValueError, match="own neighbors"):
+        DecentralizedSGD(1, [1, 2], m, lr=0.1)
+    with pytest.raises(ValueError, match="neighbors"):
+        DecentralizedSGD(0, [], m, lr=0.1)
+
+
+# ---------------------------------------------------------------- single-process behaviour
+
+
+def test_centralized_construct_single_process_and_validate():
+    m = _model()
+    CentralizedSGD(1, m, lr=0.1)
+    CentralizedAdam(1, m, lr=0.1)
+    with pytest.raises(RuntimeError, match="process group"):
+        CentralizedSGD(2, m, lr=0.1)
+    with pytest.raises(ValueError, match="exactly one"):
+        CustomCentralizedOptimizer(m, 1, torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match="no optimizer"):
+        GenericCentralizedOptimizer(1, m).step()
+    with pytest.raises(ValueError, match="rank=0"):
+        PowerSGD(m, lr=0.1, rank=0)
+    opt = CentralizedSGD(1, m, lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.1)
+    m(torch.ones(1, 64)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_sparsified_sgd_keeps_weights_any_shape_and_is_seeded():
+    def run(seed, random_sparse):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 3, 3), torch.nn.Flatten(), torch.nn.Linear(48, 4)
+        )
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = SparsifiedSGD(
+            model.parameters(), lr=0.1, sparse_grad_size=5, random_sparse=random_sparse, seed=seed
+        )
+        for p, b in zip(model.parameters(), before):
+            assert torch.equal(p, b)  # the constructor does not touch the weights
+        xs = torch.randn(4, 1, 6, 6, generator=torch.Generator().manual_seed(1))
+        for t in range(3):
+            opt.zero_grad()
+            model(xs).pow(2).mean().backward()
+            opt.step()
+            opt.update_estimated_weights(t, 5)
+        changed = [int((p.detach() != b).sum()) for p, b in zip(model.parameters(), before)]
+        return [p.detach().clone() for p in model.parameters()], changed, opt
+
+    a, changed, opt = run(0, True)
+    b, _, _ = run(0, True)
+    c, _, _ = run(1, True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert any(not torch.equal(x, y) for x, y in zip(a, c))
+    assert all(0 < n <= 15 for n in changed)  # at most k=5 coordinates per step per parameter
+    est = opt.get_estimated_weights()
+    assert len(est) == 4 and est[0].shape == (3, 1, 3, 3)
+    p = next(iter(opt.param_groups[0]["params"]))
+    p.grad = torch.ones_like(p)
+    sparse = opt.sparsify_gradients(p, 0.1)
+    assert sparse.shape == (2, 5)
+    blocky, _, _ = run(0, False)
+    assert any(not torch.equal(x, y) for x, y in zip(a, blocky))
+
+
+def test_sign_sgd_local_matches_seed_rule():
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(5))
+    g1, g2 = torch.randn(5), torch.randn(5)
+    opt = SignSGD([p], lr=0.1, momentum=0.9, weight_decay=0.01)
+    p0 = p.detach().clone()
+    p.grad = g1.clone()
+    opt.step()
+    buf = g1 + 0.01 * p0
+    p1 = p0 - 0.1 * torch.sign(buf)
+    assert_close(p.detach(), p1)
+    p.grad = g2.clone()
+    opt.step()
+    buf = 0.9 * buf + (g2 + 0.01 * p1)
+    assert_close(p.detach(), p1 - 0.1 * torch.sign(buf))
+    with pytest.raises(ValueError, match="pick one"):
+        SignSGD([p], lr=0.1, majority_vote=True, error_feedback=True)
+
+
+def _fp16_setup(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).half()
+    opt = FP16Optimizer(model, 1, average_world=True, **kw)
+    opt.set_optimizer(torch.optim.SGD([opt.fp32_params], lr=0.1))
+    x = torch.randn(16, 8).half()
+    y = torch.randint(0, 3, (16,))
+    return model, opt, x, y
+
+
+def _fp16_step(model, opt, x, y):
+    opt.zero_grad()
+    opt.backward_loss(torch.nn.functional.cross_entropy(model(x).float(), y).half())
+    return opt.step()
+
+
+def test_fp16_skips_overflow_and_adjusts_scale():
+    model, opt, x, y = _fp16_setup(
+        init_scale=2.0**20, scale_factor=2.0**8, scale_window=2, max_scale=2.0**13
+    )
+    w0 = model.weight.detach().clone()
+    assert _fp16_step(model, opt, x, y) is False  # loss · 2^20 overflows fp16: real inf grads
+    assert torch.equal(model.weight, w0) and opt.loss_scaler.loss_scale == 2.0**12
+    assert _fp16_step(model, opt, x, y) is True
+    assert not torch.equal(model.weight, w0)
+    assert opt.loss_scaler.loss_scale == 2.0**12
+    assert _fp16_step(model, opt, x, y) is True  # 2 clean steps: grow, clamped at max_scale
+    assert opt.loss_scaler.loss_scale == 2.0**13
+    assert_close(model.weight.float().reshape(-1), opt.fp32_params.detach()[:24].half().float())
+
+
+def test_fp16_matches_fp32_sgd_and_replays():
+    model, opt, x, y = _fp16_setup(init_scale=128)
+    ref = torch.nn.Linear(8, 3)
+    with torch.no_grad():
+        ref.weight.copy_(model.weight.float())
+        ref.bias.copy_(model.bias.float())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        assert _fp16_step(model, opt, x, y)
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x.float()), y).backward()
+        ref_opt.step()
+    assert_close(
+        opt.fp32_params.detach()[:24], ref.weight.detach().reshape(-1), rtol=1e-2, atol=2e-3
+    )
+    saved = copy.deepcopy(opt.state_dict())
+    _fp16_step(model, opt, x, y)
+    after = opt.fp32_params.detach().clone()
+    opt.load_state_dict(saved)
+    _fp16_step(model, opt, x, y)
+    assert torch.equal(opt.fp32_params.detach(), after)
+
+
+def test_fp16_min_scale_raises():
+    model, opt, x, y = _fp16_setup(init_scale=2.0**30, scale_factor=2.0**10, min_scale=2.0**25)
+    with pytest.raises(RuntimeError, match="minimum loss scale"):
+        _fp16_step(model, opt, x, y)
+    with pytest.raises(ValueError, match="horovod"):
+        FP16Optimizer(model, 1, use_horovod=True, average_world=True)
