@@ -1,0 +1,334 @@
+"""Checkpoint-restart of named pieces of state (``adaptdl.checkpoint`` equivalent; distributed glue).
+
+A :class:`State` is any piece of a job's state (model, optimizer, epoch counter, data-loader
+position, accumulator, batch-size statistics...) with ``save(fileobj)``, ``load(fileobj)`` and
+``sync()``. Every State constructed is registered by its unique name. :func:`save_all_states`
+syncs every registered State on every replica, then rank 0 writes them all; :func:`load_state`
+restores one State from the newest complete checkpoint.
+
+On-disk layout under the checkpoint directory (``adaptrain.env.checkpoint_path()``, i.e.
+``ADAPTRAIN_CHECKPOINT_PATH``; unset means checkpointing is off)::
+
+    <root>/checkpoint-000004/MANIFEST.json   {"format": 1, "states": {name: {"file", "sha256", "size"}}}
+    <root>/checkpoint-000004/state-<quoted name>
+    <root>/.tmp-checkpoint-000005-<pid>/     a checkpoint being written: never read
+
+Atomicity: rank 0 writes every file into a temporary directory, fsyncs them, writes the manifest
+last, then ``os.rename``\\ s the directory to ``checkpoint-<seq>`` (atomic on POSIX) and only then
+deletes older checkpoints. A reader takes the highest-numbered ``checkpoint-*`` directory, so a
+crash at any moment leaves either the old or the new checkpoint, never a half-written one.
+Every file's SHA-256 is checked on load; a mismatch, a bad manifest or a ``load`` that raises
+gives a :class:`RuntimeError` naming the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import urllib.parse
+from collections.abc import Callable
+from typing import BinaryIO
+
+import torch.distributed as dist
+
+from adaptrain import env
+from adaptrain.dist import collective
+
+__all__ = [
+    "State",
+    "checkpoint_root",
+    "latest_checkpoint",
+    "load_state",
+    "register_reset_hook",
+    "restore_dir",
+    "reset",
+    "save_all_states",
+    "save_state",
+]
+
+logger = logging.getLogger(__name__)
+
+_MANIFEST = "MANIFEST.json"
+_FORMAT = 1
+_CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+_registry: dict[str, State] = {}
+_reset_hooks: list[Callable[[], None]] = []
+_loaded_from: str | None = None  # checkpoint dir this process restores from (fixed once chosen)
+_loaded_from_chosen = False
+
+
+class State:
+    """A named piece of state saved and restored across checkpoint-restarts.
+
+    Subclass it and override :meth:`save`, :meth:`load` and (if replicas hold different
+    values that must be combined before saving) :meth:`sync`. Constructing a State registers
+    it; names are unique per process (a duplicate raises ``ValueError``).
+
+    Args:
+        name: unique name, also the key in the checkpoint.
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"State name must be a non-empty string, got {name!r}")
+        if name in _registry:
+            raise ValueError(
+                f"a State named {name!r} already exists; State names must be unique "
+                "(give this one another name)"
+            )
+        self.name = name
+        _registry[name] = self
+
+    def save(self, fileobj: BinaryIO) -> None:
+        """Write this state to the binary file ``fileobj`` (override)."""
+        raise NotImplementedError(f"{type(self).__name__}.save is not implemented")
+
+    def load(self, fileobj: BinaryIO) -> None:
+        """Read this state back from the binary file ``fileobj`` (override)."""
+        raise NotImplementedError(f"{type(self).__name__}.load is not implemented")
+
+    def sync(self) -> None:
+        """Make the state consistent across replicas before saving (collective; default no-op)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def register_reset_hook(fn: Callable[[], None]) -> None:
+    """Call ``fn`` from :func:`reset` (modules holding global States forget them there)."""
+    if fn not in _reset_hooks:
+        _reset_hooks.append(fn)
+
+
+def reset() -> None:
+    """Forget every registered State and the chosen checkpoint, as in a freshly started process.
+
+    Used by tests and by in-process restarts; the files on disk are untouched.
+    """
+    global _loaded_from, _loaded_from_chosen
+    for hook in list(_reset_hooks):
+        hook()
+    _registry.clear()
+    _loaded_from = None
+    _loaded_from_chosen = False
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _file_name(name: str) -> str:
+    return "state-" + urllib.parse.quote(name, safe="")
+
+
+def checkpoint_root() -> str | None:
+    """The checkpoint directory from ``ADAPTRAIN_CHECKPOINT_PATH``, or None (checkpointing off).
+
+    Raises:
+        RuntimeError: if the variable names a path that is not an existing directory.
+    """
+    root = env.checkpoint_path()
+    if root is None:
+        return None
+    if not os.path.isdir(root):
+        raise RuntimeError(
+            f"checkpoint directory ADAPTRAIN_CHECKPOINT_PATH={root!r} does not exist or is not a "
+            f"directory; create it first (mkdir -p {root}) or unset the variable"
+        )
+    return root
+
+
+def _seq_dirs(root: str) -> list[tuple[int, str]]:
+    out = []
+    for entry in os.listdir(root):
+        m = _CKPT_RE.match(entry)
+        if m and os.path.isdir(os.path.join(root, entry)):
+            out.append((int(m.group(1)), os.path.join(root, entry)))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """Path of the newest complete checkpoint under ``root``, or None if there is none."""
+    dirs = _seq_dirs(root)
+    return dirs[-1][1] if dirs else None
+
+
+def _read_manifest(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, _MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"corrupt checkpoint: {path} is missing (checkpoints are renamed into place only "
+            "after their manifest is written); delete the directory "
+            f"{ckpt_dir} to fall back to an older checkpoint or start afresh"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"corrupt checkpoint manifest {path}: {exc}; delete {ckpt_dir} to fall back "
+            "to an older checkpoint or start afresh"
+        ) from exc
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("states"), dict):
+        raise RuntimeError(f"corrupt checkpoint manifest {path}: no 'states' table")
+    return manifest
+
+
+def _write_manifest(ckpt_dir: str, manifest: dict) -> None:
+    path = os.path.join(ckpt_dir, _MANIFEST)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def restore_dir() -> str | None:
+    """The checkpoint directory this process restores from (chosen once, on first call), or None."""
+    global _loaded_from, _loaded_from_chosen
+    if not _loaded_from_chosen:
+        root = checkpoint_root()
+        _loaded_from = latest_checkpoint(root) if root is not None else None
+        _loaded_from_chosen = True
+        if _loaded_from is not None:
+            logger.info("restoring from checkpoint %s", _loaded_from)
+    return _loaded_from
+
+
+def load_state(state: State) -> bool:
+    """Restore ``state`` from the newest checkpoint; True if it was there and ``load`` ran.
+
+    Returns False when checkpointing is off, no checkpoint exists yet, or the checkpoint has no
+    entry for ``state.name``.
+
+    Raises:
+        RuntimeError: the checkpoint directory is missing, or the entry is corrupt (names the path).
+    """
+    ckpt_dir = restore_dir()
+    if ckpt_dir is None:
+        return False
+    entry = _read_manifest(ckpt_dir)["states"].get(state.name)
+    if entry is None:
+        return False
+    path = os.path.join(ckpt_dir, entry["file"])
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise RuntimeError(f"corrupt checkpoint: cannot read {path}: {exc}") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.get("sha256"):
+        raise RuntimeError(
+            f"corrupt checkpoint file {path}: SHA-256 {digest[:12]}... does not match the "
+            f"manifest's {str(entry.get('sha256'))[:12]}...; delete {ckpt_dir} to fall back to "
+            "an older checkpoint or start afresh"
+        )
+    try:
+        state.load(io.BytesIO(data))
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not load state {state.name!r} from checkpoint file {path}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return True
+
+
+def save_state(state: State, checkpoint_dir: str, sync: bool = True) -> None:
+    """Save ``state`` into ``checkpoint_dir`` (collective when ``sync``).
+
+    Every replica runs ``state.sync()`` (if ``sync``); then rank 0 writes the state's file and
+    records it with its checksum in ``checkpoint_dir``'s manifest (both replaced atomically).
+
+    Raises:
+        ValueError: ``checkpoint_dir`` does not exist.
+    """
+    if sync:
+        state.sync()
+    if _rank() != 0:
+        return
+    if not os.path.isdir(checkpoint_dir):
+        raise ValueError(
+            f"checkpoint_dir={checkpoint_dir!r} does not exist; create it before saving"
+        )
+    buf = io.BytesIO()
+    state.save(buf)
+    data = buf.getvalue()
+    fname = _file_name(state.name)
+    path = os.path.join(checkpoint_dir, fname)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    mpath = os.path.join(checkpoint_dir, _MANIFEST)
+    manifest = (
+        _read_manifest(checkpoint_dir)
+        if os.path.exists(mpath)
+        else {"format": _FORMAT, "states": {}}
+    )
+    manifest["states"][state.name] = {
+        "file": fname,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "size": len(data),
+    }
+    _write_manifest(checkpoint_dir, manifest)
+
+
+def save_all_states() -> bool:
+    """Checkpoint every registered State (collective: call on every replica at the same point).
+
+    Returns False (and does nothing) when checkpointing is off, True once the new checkpoint is
+    in place; every replica returns only after rank 0 has finished writing.
+    """
+    global _loaded_from, _loaded_from_chosen
+    root = checkpoint_root()
+    if root is None:
+        return False
+    seq = None
+    if _rank() == 0:
+        dirs = _seq_dirs(root)
+        seq = dirs[-1][0] + 1 if dirs else 0
+    seq = collective.broadcast(seq)
+    tmp = os.path.join(root, f".tmp-checkpoint-{seq:06d}-{os.getpid()}")
+    final = os.path.join(root, f"checkpoint-{seq:06d}")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        _write_manifest(tmp, {"format": _FORMAT, "states": {}})
+    for name in sorted(_registry):  # same order on every replica: sync() may be collective
+        save_state(_registry[name], tmp, sync=True)
+    if _rank() == 0:
+        _fsync_dir(tmp)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+        for _, old in _seq_dirs(root)[:-1]:
+            shutil.rmtree(old, ignore_errors=True)
+        for entry in os.listdir(root):
+            if entry.startswith(".tmp-checkpoint-"):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        logger.info("saved %d states to %s", len(_registry), final)
+    collective.barrier()
+    # Later load_state calls in this process see what was just saved.
+    _loaded_from, _loaded_from_chosen = final, True
+    return True

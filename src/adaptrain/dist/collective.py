@@ -1,0 +1,136 @@
+"""Collectives on small python objects over torch.distributed (distributed glue).
+
+Mirrors ``adaptdl.collective``: :func:`allreduce`, :func:`allreduce_async` and :func:`broadcast`
+of picklable python objects. They are meant for small control values (stop flags, batch-size
+decisions, accumulator sums), not tensors of training data.
+
+Implementation: every object collective runs on a dedicated gloo process group (created on first
+use or by :func:`initialize`, collectively, so every replica must make its first call at the same
+point in its program), on ONE background thread. One thread keeps the collectives of this module
+in the same order on every replica, and lets :func:`allreduce_async` return at once while the
+main thread keeps using the default group (NCCL or gloo) for gradients. The reduction is
+``functools.reduce(reduce_fn, values_in_rank_order)``, so every replica computes the same result.
+
+Without an initialised process group (single process) every function returns its input.
+
+All functions must be called in the same order on every replica.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = [
+    "allreduce",
+    "allreduce_async",
+    "barrier",
+    "broadcast",
+    "default_reduce_fn",
+    "initialize",
+    "is_distributed",
+    "teardown",
+]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_group: Any = None
+_group_of: Any = None  # the default group our group was made for (detects re-initialisation)
+_executor: ThreadPoolExecutor | None = None
+
+
+def default_reduce_fn(a: Any, b: Any) -> Any:
+    """Sum: ``a + b``."""
+    return a + b
+
+
+def is_distributed() -> bool:
+    """True when a torch.distributed default group with more than one member exists."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def initialize() -> None:
+    """Create the gloo group and worker thread now (collective: call on every replica).
+
+    Called by :func:`adaptrain.torch.init_process_group`; otherwise done lazily on first use.
+    """
+    if is_distributed():
+        _ensure()
+
+
+def _ensure() -> tuple[Any, ThreadPoolExecutor]:
+    global _group, _group_of, _executor
+    with _lock:
+        default = dist.group.WORLD
+        if _group is None or _group_of is not default:
+            # A separate gloo group keeps our traffic off the user's default group (which may
+            # be NCCL, where object collectives would need device tensors).
+            _group = dist.new_group(backend="gloo")
+            _group_of = default
+            if _executor is not None:
+                _executor.shutdown(wait=False)
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adaptrain-collective")
+        return _group, _executor
+
+
+def teardown() -> None:
+    """Forget the group and stop the worker thread (before ``destroy_process_group``)."""
+    global _group, _group_of, _executor
+    with _lock:
+        if _executor is not None:
+            _executor.shutdown(wait=True)
+        _group = _group_of = _executor = None
+
+
+def _gather(value: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _reduce(value: Any, reduce_fn: Callable[[Any, Any], Any], group: Any) -> Any:
+    return functools.reduce(reduce_fn, _gather(value, group))
+
+
+def _broadcast(value: Any, group: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def allreduce_async(value: Any, reduce_fn: Callable[[Any, Any], Any] = default_reduce_fn) -> Future:
+    """Start reducing ``value`` over all replicas; return a Future whose ``result()`` is it.
+
+    The reduction is ``reduce_fn`` applied left to right over the values in rank order.
+    """
+    if not is_distributed():
+        fut: Future = Future()
+        fut.set_result(value)
+        return fut
+    group, executor = _ensure()
+    return executor.submit(_reduce, value, reduce_fn, group)
+
+
+def allreduce(value: Any, reduce_fn: Callable[[Any, Any], Any] = default_reduce_fn) -> Any:
+    """Reduce ``value`` over all replicas and return the result on every replica (blocking)."""
+    return allreduce_async(value, reduce_fn).result()
+
+
+def barrier() -> None:
+    """Block until every replica reaches this call (no-op in a single process)."""
+    allreduce(0)
+
+
+def broadcast(value: Any) -> Any:
+    """Return rank 0's ``value`` on every replica (blocking); others' ``value`` is ignored."""
+    if not is_distributed():
+        return value
+    group, executor = _ensure()
+    return executor.submit(_broadcast, value, group).result()

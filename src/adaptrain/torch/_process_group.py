@@ -1,0 +1,107 @@
+"""``init_process_group``: join (or create) the job's torch.distributed group.
+
+Sources of the group's coordinates, first match wins for each value:
+
+* the arguments ``init_method``, ``world_size``, ``rank``;
+* ``ADAPTRAIN_MASTER_ADDR``/``ADAPTRAIN_MASTER_PORT``/``ADAPTRAIN_NUM_REPLICAS``/
+  ``ADAPTRAIN_REPLICA_RANK`` (the seed's "Distributed Training" variables);
+* torchrun's ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``;
+* nothing: a single process, a 1-member group on 127.0.0.1 with a free port.
+
+Then the python-object collectives are initialised, the SIGINT/SIGTERM handlers installed, the
+checkpoint to restore from (if ``ADAPTRAIN_CHECKPOINT_PATH`` holds one) chosen, and an exit
+hook registered that destroys the process group cleanly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from adaptrain import env
+from adaptrain.dist import checkpoint, collective, signals
+from adaptrain.dist.spawn import free_port
+
+__all__ = ["init_process_group"]
+
+logger = logging.getLogger(__name__)
+
+
+def init_process_group(
+    backend: str,
+    init_method: str | None = None,
+    world_size: int | None = None,
+    rank: int | None = None,
+    timeout: timedelta | None = None,
+) -> None:
+    """Initialise the default process group and adaptrain's collectives.
+
+    Args:
+        backend: ``"nccl"`` for GPUs, else ``"gloo"``.
+        init_method: URL such as ``tcp://host:port``; default from the environment.
+        world_size: number of replicas; default ``adaptrain.env.num_replicas()``.
+        rank: this replica's rank; default ``adaptrain.env.replica_rank()``.
+        timeout: collective timeout (torch's default if None).
+
+    Raises:
+        ValueError: inconsistent rank/world size, or several replicas but no master port.
+    """
+    if world_size is None:
+        world_size = env.num_replicas()
+    if rank is None:
+        rank = env.replica_rank()
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank={rank} world_size={world_size}: need world_size >= 1 and 0 <= rank < "
+            "world_size; check ADAPTRAIN_REPLICA_RANK/ADAPTRAIN_NUM_REPLICAS (or RANK/WORLD_SIZE)"
+        )
+    if dist.is_initialized():
+        logger.info("torch.distributed already initialized; reusing the default group")
+    else:
+        if init_method is None:
+            port = env.master_port()
+            if port == 0:
+                if world_size > 1:
+                    raise ValueError(
+                        f"world_size={world_size} needs a rendezvous port: set "
+                        "ADAPTRAIN_MASTER_PORT (or MASTER_PORT) on every replica, or pass "
+                        "init_method='tcp://host:port'"
+                    )
+                port = free_port()
+            init_method = f"tcp://{env.master_addr()}:{port}"
+        logger.info(
+            "initializing torch.distributed using %s?rank=%d&world_size=%d",
+            init_method,
+            rank,
+            world_size,
+        )
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        dist.init_process_group(
+            backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs
+        )
+        logger.info("torch.distributed initialized")
+    collective.initialize()
+    signals.install()
+    atexit.unregister(_shutdown)
+    atexit.register(_shutdown)
+    # Choose (and validate) the checkpoint to restore from now, before any State loads.
+    checkpoint.restore_dir()
+
+
+def _shutdown() -> None:
+    """At exit: finish the pending stop poll, stop the collective thread, destroy the group.
+
+    Leaving a gloo process group to be torn down during interpreter finalisation can abort the
+    process ("terminate called without an active exception"), which torchrun reports as a
+    failure; destroying it here avoids that.
+    """
+    try:
+        signals.reset()
+        collective.teardown()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - best effort at exit
+        logger.debug("shutdown: %s", exc)

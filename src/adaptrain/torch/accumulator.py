@@ -1,0 +1,207 @@
+"""Dict-like sums across replicas and restarts (``adaptdl.torch.Accumulator`` equivalent).
+
+Two modes:
+
+* **accumulation** (default): ``acc[k] += v``, ``acc[k] -= v``, ``acc.update(...)``,
+  ``acc.subtract(...)``, ``acc += {...}``, ``acc -= {...}`` add the update to this replica's
+  private ``updates``; reads behave as on an empty dict.
+* **synchronized** (inside ``with acc.synchronized():``, a collective): every replica's updates
+  are summed into ``results`` (the same on every replica) and the accumulator behaves as a dict
+  on it; writes must be the same on every replica.
+
+Restart consistency: pending updates are folded in (synced) before every checkpoint; the
+results of every synchronization made outside a data-loader loop in the current epoch are kept
+in ``results_history`` so that, when a restart replays that code, the replay reads the recorded
+result instead of re-summing (which would count the replayed updates twice). History of
+finished epochs is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import pickle
+from collections.abc import Iterator, MutableMapping
+from typing import Any, BinaryIO
+
+from adaptrain.dist import checkpoint, collective
+from adaptrain.torch.epoch import current_epoch
+
+__all__ = ["Accumulator"]
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for key, val in b.items():
+        out[key] = out[key] + val if key in out else val
+    return out
+
+
+class _AccumulatorState(checkpoint.State):
+    init_count: collections.Counter = collections.Counter()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from adaptrain.torch.data import current_dataloader
+
+        if current_dataloader() is not None:
+            raise RuntimeError(
+                "an Accumulator may not be created inside a data-loader loop; create it before"
+            )
+        epoch = current_epoch()
+        count = _AccumulatorState.init_count[epoch]
+        super().__init__(f"adaptrain-accumulator-epoch{epoch}-{count}")
+        _AccumulatorState.init_count[epoch] += 1
+        self.results: dict = dict(*args, **kwargs)
+        self.updates: dict = {}
+        self.results_history: dict = collections.defaultdict(list)
+
+    def sync(self) -> None:
+        self.results = _merge(self.results, collective.allreduce(self.updates, _merge))
+        self.updates = {}
+
+    def save(self, fileobj: BinaryIO) -> None:
+        pickle.dump({"results": self.results, "history": dict(self.results_history)}, fileobj)
+
+    def load(self, fileobj: BinaryIO) -> None:
+        data = pickle.load(fileobj)
+        self.results = data["results"]
+        self.results_history = collections.defaultdict(list, data["history"])
+
+
+def _reset() -> None:
+    _AccumulatorState.init_count.clear()
+
+
+checkpoint.register_reset_hook(_reset)
+
+
+class Accumulator(MutableMapping):
+    """Sum statistics over replicas and restarts; see the module docstring for the two modes.
+
+    Example::
+
+        acc = Accumulator()
+        for epoch in remaining_epochs_until(10):
+            for x, y in valid_loader:
+                acc["correct"] += (model(x).argmax(1) == y).sum().item()
+                acc["total"] += len(y)
+            with acc.synchronized():
+                print(acc["correct"] / acc["total"])
+                acc.clear()
+
+    Args:
+        args, kwargs: initial contents, as for ``dict``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._sync_count: collections.Counter = collections.Counter()
+        self._synchronized: dict | None = None
+        self._state = _AccumulatorState(*args, **kwargs)
+        checkpoint.load_state(self._state)
+
+    @contextlib.contextmanager
+    def synchronized(self) -> Iterator[Accumulator]:
+        """Enter synchronized mode (a collective: every replica must enter at the same point)."""
+        if self._synchronized is not None:
+            yield self
+            return
+        from adaptrain.torch.data import current_dataloader
+
+        epoch = current_epoch()
+        history = self._state.results_history
+        for key in list(history):
+            if key is not None and epoch is not None and key < epoch:
+                history.pop(key)
+        count = self._sync_count[epoch]
+        self._sync_count[epoch] += 1
+        results_list = history[epoch]
+        if count < len(results_list):
+            # Replay after a restart: this synchronization already happened.
+            self._state.results = copy.deepcopy(results_list[count])
+            self._state.updates = {}
+        else:
+            self._state.sync()
+            if current_dataloader() is None:
+                # Code inside data-loader loops is never replayed: nothing to record there.
+                results_list.append(copy.deepcopy(self._state.results))
+        self._synchronized = self._state.results
+        try:
+            yield self
+        finally:
+            self._synchronized = None
+
+    def update(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """Add each value to its key (``dict.update`` arguments), unlike ``dict.update``."""
+        for key, val in dict(*args, **kwargs).items():
+            self[key] += val
+
+    def subtract(self, *args: Any, **kwargs: Any) -> None:
+        """Subtract each value from its key (same arguments as :meth:`update`)."""
+        for key, val in dict(*args, **kwargs).items():
+            self[key] -= val
+
+    def __iadd__(self, other: Any) -> Accumulator:
+        self.update(other)
+        return self
+
+    def __isub__(self, other: Any) -> Accumulator:
+        self.subtract(other)
+        return self
+
+    def __getitem__(self, key: Any) -> Any:
+        if self._synchronized is not None:
+            return self._synchronized[key]
+        # Accumulation mode: capture ``acc[k] += v`` as an update (see _Value).
+        return _Value(self, key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if self._synchronized is not None:
+            self._synchronized[key] = value
+            return
+        if not isinstance(value, _Value) or value.accum is not self or value.key != key:
+            raise TypeError(
+                f"in accumulation mode only acc[{key!r}] += v / -= v are allowed, not "
+                f"assignment of {type(value).__name__}; assign inside `with acc.synchronized():`"
+            )
+        updates = self._state.updates
+        updates[key] = updates[key] + value.update if key in updates else value.update
+
+    def __delitem__(self, key: Any) -> None:
+        if self._synchronized is None:
+            raise KeyError(key)
+        del self._synchronized[key]
+
+    def __contains__(self, key: object) -> bool:
+        return self._synchronized is not None and key in self._synchronized
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._synchronized if self._synchronized is not None else {})
+
+    def __len__(self) -> int:
+        return len(self._synchronized) if self._synchronized is not None else 0
+
+    def __repr__(self) -> str:
+        return repr(self._synchronized if self._synchronized is not None else {})
+
+
+class _Value:
+    """Stand-in returned by ``acc[k]`` in accumulation mode; records ``+ v`` / ``- v``."""
+
+    __slots__ = ["accum", "key", "update"]
+
+    def __init__(self, accum: Accumulator, key: Any) -> None:
+        self.accum = accum
+        self.key = key
+        self.update: Any = 0
+
+    def __add__(self, other: Any) -> _Value:
+        self.update = self.update + other
+        return self
+
+    def __sub__(self, other: Any) -> _Value:
+        self.update = self.update - other
+        return self
+
+    __iadd__ = __add__
+    __isub__ = __sub__

@@ -1,0 +1,303 @@
+"""AdaptiveDataLoader: global batch size, exactly-once passes, restarts, eval without padding."""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import adaptrain.torch as at
+from adaptrain import checkpoint
+from adaptrain.dist.spawn import spawn
+from adaptrain.torch import data as data_mod
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    for k in ("ADAPTRAIN_CHECKPOINT_PATH", "ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(k, raising=False)
+    checkpoint.reset()
+    yield
+    checkpoint.reset()
+
+
+def _ids(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n))
+
+
+# ----- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("bsz", [0, -3, 2.5, True, None])
+def test_bad_batch_size(bsz):
+    with pytest.raises(ValueError, match="batch_size"):
+        at.AdaptiveDataLoader(_ids(10), batch_size=bsz)
+
+
+def test_custom_sampler_rejected():
+    with pytest.raises(ValueError, match="sampler"):
+        at.AdaptiveDataLoader(_ids(10), batch_size=2, sampler=range(10))
+    with pytest.raises(ValueError, match="batch_sampler"):
+        at.AdaptiveDataLoader(_ids(10), batch_sampler=[[0, 1]])
+
+
+@pytest.mark.parametrize(
+    "max_bsz, bounds, match",
+    [
+        (8, None, "max_batch_size=8"),  # below batch_size=16
+        (32.0, None, "max_batch_size=32.0"),
+        (64, (0, 8), "positive"),
+        (64, (9, 8), "min > max"),
+        (64, (100, 200), "exceeds max_batch_size"),
+        (64, (4,), "pair"),
+        (64, 7, "pair"),
+    ],
+)
+def test_bad_autoscale_bounds(max_bsz, bounds, match):
+    dl = at.AdaptiveDataLoader(_ids(10), batch_size=16)
+    with pytest.raises(ValueError, match=match):
+        dl.autoscale_batch_size(max_bsz, local_bsz_bounds=bounds)
+
+
+# ----- single process ----------------------------------------------------------------------------
+def test_one_pass_exactly_once_and_properties():
+    dl = at.AdaptiveDataLoader(_ids(103), batch_size=10, shuffle=True)
+    orders = []
+    for _epoch in at.remaining_epochs_until(2):
+        seen = []
+        for (x,) in dl:
+            assert dl.current_batch_size == 10 and dl.current_local_bsz == 10
+            assert at.current_dataloader() is dl._elastic
+            seen += x.tolist()
+        assert sorted(seen) == list(range(103))
+        orders.append(seen)
+    assert orders[0] != orders[1]  # reshuffled per epoch
+    assert dl.current_batch_size is None and at.current_dataloader() is None
+    assert len(dl) == 11 and dl.accumulation_steps == 1
+
+
+def test_drop_last_drops_only_the_tail():
+    dl = at.AdaptiveDataLoader(_ids(103), batch_size=10, drop_last=True)
+    sizes = [len(x) for (x,) in dl]
+    assert sizes == [10] * 10
+
+
+def test_overlapping_loops_rejected():
+    a, b = at.AdaptiveDataLoader(_ids(4), 2), at.AdaptiveDataLoader(_ids(4), 2)
+    it = iter(a)
+    next(it)
+    with pytest.raises(RuntimeError, match="overlapping"):
+        next(iter(b))
+    it.close()
+
+
+def test_gradient_accumulation_pattern():
+    dl = at.AdaptiveDataLoader(_ids(70), batch_size=32)
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 8), gradient_accumulation=True)
+    flags, sizes = [], []
+    for (x,) in dl:
+        helper = at.current_dataloader()
+        flags.append(helper.is_accum_step())
+        sizes.append(len(x))
+        assert dl.current_batch_size == 32 and dl.current_local_bsz == 8
+    assert dl.accumulation_steps == 4
+    # 70 = 2 steps of 4×8, then 6 left: one micro-batch that ends its (short) step.
+    assert sizes == [8] * 8 + [6]
+    assert flags == [True, True, True, False] * 2 + [False]
+
+
+def test_restart_mid_epoch_resumes_exactly(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    seen = collections.Counter()
+    for _epoch in at.remaining_epochs_until(1):
+        dl = at.AdaptiveDataLoader(_ids(50), batch_size=8, shuffle=True)
+        for i, (x,) in enumerate(dl):
+            if i == 3:
+                # What graceful_exit does at a step boundary: steps 0-2 are done, step 3's
+                # batch is not processed; checkpoint, then stop.
+                checkpoint.save_all_states()
+                break
+            seen.update(x.tolist())
+    checkpoint.reset()  # a new process
+    for epoch in at.remaining_epochs_until(1):
+        assert epoch == 0
+        dl = at.AdaptiveDataLoader(_ids(50), batch_size=8, shuffle=True)
+        for (x,) in dl:
+            seen.update(x.tolist())
+    assert seen == collections.Counter(range(50))
+
+
+def test_finished_loop_is_skipped_after_restart(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    train, valid = at.AdaptiveDataLoader(_ids(12), 4), at.AdaptiveDataLoader(_ids(6), 4)
+    for _epoch in at.remaining_epochs_until(1):
+        list(train)
+        for i, _ in enumerate(valid):
+            if i == 1:
+                checkpoint.save_all_states()
+                break
+    checkpoint.reset()
+    train, valid = at.AdaptiveDataLoader(_ids(12), 4), at.AdaptiveDataLoader(_ids(6), 4)
+    counts = []
+    for _epoch in at.remaining_epochs_until(1):
+        counts.append(len(list(train)))  # finished before the restart: skipped
+        counts.append(sum(len(x) for (x,) in valid))  # resumed after its first batch
+    assert counts == [0, 2]
+
+
+def test_batch_size_switch_keeps_exactly_once(monkeypatch):
+    """The loader applies a suggestion only at segment boundaries; coverage stays exact."""
+    from adaptrain.torch import _metrics
+
+    calls = []
+
+    def suggest(num_nodes, num_replicas, atomic, accum, min_improvement=0.05):
+        calls.append((atomic, accum))
+        return (atomic * 2, 1) if atomic < 16 else None
+
+    monkeypatch.setattr(_metrics, "suggest_batch_size", suggest)
+    dl = at.AdaptiveDataLoader(_ids(200), batch_size=4, shuffle=True)
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32))
+    dl._elastic.reoptimize_every = 3
+    sizes, seen = [], []
+    for (x,) in dl:
+        sizes.append(len(x))
+        seen += x.tolist()
+    assert sorted(seen) == list(range(200))
+    assert sizes[:9] == [8] * 3 + [16] * 3 + [16] * 3
+    assert calls[:3] == [(4, 1), (8, 1), (16, 1)]
+
+
+# ----- three replicas ----------------------------------------------------------------------------
+def _three(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    x = torch.randn(100, 5)
+    y = (x[:, 0] > 0).long()
+    ids = torch.arange(100)
+    model = torch.nn.Linear(5, 2)
+    out: dict = {"train": [], "eval": [], "steps": 0}
+    train = at.AdaptiveDataLoader(TensorDataset(x, y, ids), batch_size=16, shuffle=True)
+    test = at.AdaptiveDataLoader(TensorDataset(x, y, ids), batch_size=64)
+    tiny_eval = at.AdaptiveDataLoader(TensorDataset(ids[:2]), batch_size=4)
+    tiny_train = at.AdaptiveDataLoader(TensorDataset(ids[:2]), batch_size=4)
+    stats = at.Accumulator()
+    for _epoch in at.remaining_epochs_until(1):
+        for _xb, _yb, ib in train:
+            out["train"] += ib.tolist()
+            out["steps"] += 1
+        with torch.no_grad():
+            for xb, yb, ib in test:
+                out["eval"] += ib.tolist()
+                stats["correct"] += (model(xb).argmax(1) == yb).sum().item()
+                stats["n"] += len(yb)
+            out["tiny_eval"] = [i for (b,) in tiny_eval for i in b.tolist()]
+        out["tiny_train"] = [i for (b,) in tiny_train for i in b.tolist()]
+        with stats.synchronized():
+            out["acc"] = (stats["correct"], stats["n"])
+    with torch.no_grad():
+        out["truth"] = (model(x).argmax(1) == y).sum().item()
+    return out
+
+
+def test_three_replicas_train_and_exact_eval():
+    res = spawn(_three, 3, timeout=180)
+    train = collections.Counter(i for r in res for i in r["train"])
+    assert train == collections.Counter(range(100))
+    assert len({r["steps"] for r in res}) == 1  # same number of steps everywhere
+    evals = collections.Counter(i for r in res for i in r["eval"])
+    assert evals == collections.Counter(range(100))  # no padding: 100 is not divisible by 3
+    assert all(r["acc"] == (res[0]["truth"], 100) for r in res)  # exact accuracy
+    # Fewer samples than replicas: evaluation never pads, training pads (DDP needs a batch).
+    assert sorted(i for r in res for i in r["tiny_eval"]) == [0, 1]
+    assert [len(r["tiny_eval"]) for r in res] == [1, 1, 0]
+    assert [len(r["tiny_train"]) for r in res] == [1, 1, 1]
+
+
+def test_plan_module_exports():
+    assert set(data_mod.__all__) >= {"AdaptiveDataLoader", "ElasticSampler", "current_dataloader"}
+    assert os.environ.get("ADAPTRAIN_NUM_REPLICAS") is None
+
+
+def test_profiling_calls_follow_accumulation(monkeypatch):
+    from adaptrain.torch import _metrics
+
+    calls = []
+    monkeypatch.setattr(_metrics, "profile_step_start", lambda b: calls.append(("start", b)))
+    monkeypatch.setattr(_metrics, "profile_step_commit", lambda a: calls.append(("commit", a)))
+    dl = at.AdaptiveDataLoader(_ids(40), batch_size=16)
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 8), gradient_accumulation=True)
+    list(dl)
+    # local 8 × 2 micro-batches per step: 40 = 2 steps of 2×8, then a short step of 8.
+    starts = [c for c in calls if c[0] == "start"]
+    commits = [c[1] for c in calls if c[0] == "commit"]
+    assert starts == [("start", 8)] * 5
+    # commit(accumulation_step): the loop's first micro-batch (iterator warm-up) is not
+    # committed; then optim, accum, optim, optim (the short last step).
+    assert commits == [False, True, False, False]
+    # An untrained (evaluation) loader does not profile.
+    calls.clear()
+    list(at.AdaptiveDataLoader(_ids(10), batch_size=4))
+    assert calls == []
+
+
+def test_restart_on_other_replica_count_keeps_global_batch():
+    dl = at.AdaptiveDataLoader(_ids(64), batch_size=8)
+    dl.autoscale_batch_size(256, local_bsz_bounds=(1, 64))
+    st = dl._elastic._state
+    st.local_bsz, st.accum_steps, st.num_replicas = 16, 1, 2  # decided on 2 replicas: 32
+    sizes = [len(x) for (x,) in dl]
+    assert sizes == [32, 32] and dl.accumulation_steps == 1
+
+
+def _rank0_decides(rank: int, world_size: int) -> list[int]:
+    from adaptrain.torch import _metrics
+
+    _metrics.suggest_batch_size = lambda *a, **k: (4 + rank, 1)  # replicas disagree
+    dl = at.AdaptiveDataLoader(_ids(60), batch_size=6)
+    dl.autoscale_batch_size(60)
+    return [len(x) for (x,) in dl]
+
+
+def test_batch_size_decision_is_rank0s():
+    res = spawn(_rank0_decides, 2, timeout=120)
+    assert res == [[4] * 7 + [2], [4] * 7 + [2]]  # 60 = 7 × (4×2) + 4
+
+
+class _ListLoader(at.AdaptiveDataLoaderMixin):
+    """A custom elastic loader built from the public pieces (single replica)."""
+
+    def __init__(self, data, batch_size):
+        super().__init__(batch_size)
+        self.data = data
+        self.sampler = at.ElasticSampler(data, shuffle=False)
+
+    def __iter__(self):
+        with self._elastic.context():
+            if self._elastic.skipdone():
+                return
+            self.sampler.set_epoch(at.current_epoch(), self._elastic.current_index)
+            local = [self.data[i] for i in self.sampler]
+            bsz = self._elastic.current_local_bsz
+            for i in range(0, len(local), bsz):
+                with self._elastic.profile(commit=False):
+                    yield local[i : i + bsz]
+                    self._elastic.current_index += len(local[i : i + bsz])
+
+
+def test_mixin_custom_loader_resumes(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    got = []
+    for _epoch in at.remaining_epochs_until(1):
+        loader = _ListLoader(list("abcdefghij"), 3)
+        for i, batch in enumerate(loader):
+            assert at.current_dataloader() is loader._elastic
+            assert loader.current_batch_size == 3 and loader.current_local_bsz == 3
+            if i == 2:
+                checkpoint.save_all_states()
+                break
+            got += batch
+    checkpoint.reset()
+    for _epoch in at.remaining_epochs_until(1):
+        got += [x for batch in _ListLoader(list("abcdefghij"), 3) for x in batch]
+    assert got == list("abcdefghij")

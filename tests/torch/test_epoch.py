@@ -1,0 +1,54 @@
+"""remaining_epochs_until / current_epoch / finished_epochs, restart-consistent."""
+
+from __future__ import annotations
+
+import pytest
+
+from adaptrain import checkpoint
+from adaptrain.torch import current_epoch, finished_epochs, remaining_epochs_until
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    monkeypatch.delenv("ADAPTRAIN_CHECKPOINT_PATH", raising=False)
+    checkpoint.reset()
+    yield
+    checkpoint.reset()
+
+
+def test_consecutive_loops_continue_the_count():
+    assert current_epoch() is None and finished_epochs() == 0
+    seen = []
+    for e in remaining_epochs_until(3):
+        assert current_epoch() == e == finished_epochs()
+        seen.append(e)
+    assert finished_epochs() == 3 and current_epoch() is None
+    seen += list(remaining_epochs_until(5))
+    assert seen == [0, 1, 2, 3, 4]
+    assert list(remaining_epochs_until(4)) == []  # already past it
+
+
+def test_nested_loops_and_bad_argument():
+    for _ in remaining_epochs_until(1):
+        with pytest.raises(RuntimeError, match="overlapping"):
+            next(iter(remaining_epochs_until(2)))
+    with pytest.raises(ValueError, match="epoch="):
+        next(iter(remaining_epochs_until(2.5)))
+
+
+def test_break_counts_the_epoch_as_finished():
+    for e in remaining_epochs_until(10):
+        if e == 2:
+            break
+    assert finished_epochs() == 3 and current_epoch() is None
+
+
+def test_resume_in_the_interrupted_epoch(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    for e in remaining_epochs_until(5):
+        if e == 2:
+            checkpoint.save_all_states()  # interrupted inside epoch 2
+            break
+    checkpoint.reset()  # restarted process
+    assert finished_epochs() == 2
+    assert list(remaining_epochs_until(5)) == [2, 3, 4]
