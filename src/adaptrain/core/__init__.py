@@ -5,4 +5,68 @@ no I/O. Higher layers (``adaptrain.dist``, ``adaptrain.torch``, ``adaptrain.opti
 ``adaptrain.sched``) import from here, never the other way round.
 """
 
-__all__: list[str] = []
+from adaptrain.core.gns import (
+    B3State,
+    EMAState,
+    GNSEstimate,
+    b3_init,
+    b3_rescale,
+    b3_update,
+    b3_value,
+    clip_estimate,
+    ema_init,
+    ema_rescale,
+    ema_update,
+    ema_value,
+    gain,
+    is_finite,
+    sqrt_gain,
+    unbiased_estimate,
+)
+from adaptrain.core.goodput import (
+    GoodputFunction,
+    GradParams,
+    PerfParams,
+    fit_perf_params,
+    predict_accum_time,
+    predict_log_optim_time,
+    predict_network_time,
+)
+from adaptrain.core.scaling import (
+    adascale_factor,
+    legw_factor,
+    linear_factor,
+    sqrt_adascale_factor,
+    sqrt_factor,
+)
+
+__all__ = [
+    "B3State",
+    "EMAState",
+    "GNSEstimate",
+    "b3_init",
+    "b3_rescale",
+    "b3_update",
+    "b3_value",
+    "clip_estimate",
+    "ema_init",
+    "ema_rescale",
+    "ema_update",
+    "ema_value",
+    "gain",
+    "is_finite",
+    "sqrt_gain",
+    "unbiased_estimate",
+    "GoodputFunction",
+    "GradParams",
+    "PerfParams",
+    "fit_perf_params",
+    "predict_accum_time",
+    "predict_log_optim_time",
+    "predict_network_time",
+    "adascale_factor",
+    "legw_factor",
+    "linear_factor",
+    "sqrt_adascale_factor",
+    "sqrt_factor",
+]

@@ -36,6 +36,13 @@ __all__ = [
     "ema_init",
     "ema_update",
     "ema_value",
+    "ema_rescale",
+    "clip_estimate",
+    "B3State",
+    "b3_init",
+    "b3_update",
+    "b3_value",
+    "b3_rescale",
     "is_finite",
 ]
 
@@ -68,7 +75,9 @@ def is_finite(*values: Any) -> bool:
     return all(_isfinite_scalar(v) for v in values)
 
 
-def unbiased_estimate(local_sqr: Any, total_sqr: Any, count: int, micro_scale: float) -> GNSEstimate:
+def unbiased_estimate(
+    local_sqr: Any, total_sqr: Any, count: int, micro_scale: float
+) -> GNSEstimate:
     """Unbiased ``(sqr, var)`` from ``count ≥ 2`` micro-batch gradients.
 
     Args:
@@ -104,6 +113,11 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
 
     ``sqr`` and ``var`` are clipped at 0 (a raw average can dip below), so ``1 ≤ r ≤ scale``.
     """
+    if type(sqr) is float and type(var) is float and isinstance(scale, (int, float)):
+        # fast path for Python floats (IEEE doubles: the same result as the numpy path)
+        sqr_f, var_f = max(sqr, 0.0), max(var, 0.0)
+        denom = var_f / scale + sqr_f
+        return (var_f + sqr_f) / denom if denom > 0 else 1.0
     import numpy as np
 
     if _is_tensor(sqr) or _is_tensor(var) or _is_tensor(scale):
@@ -180,3 +194,78 @@ def ema_value(state: EMAState) -> Any:
     if state.count == 0:
         return state.biased
     return state.biased / state.weight
+
+
+def ema_rescale(state: EMAState, factor: Any) -> EMAState:
+    """The same average expressed in new units: every past sample multiplied by ``factor``.
+
+    Used when the base batch size changes: ``var = tr(Σ)/B0`` rescales by ``S_old / S_new``.
+    """
+    return EMAState(biased=state.biased * factor, weight=state.weight, count=state.count)
+
+
+def clip_estimate(est: GNSEstimate, min_sqr: Any = 0.0, min_var: Any = 0.0) -> GNSEstimate:
+    """Clip one raw sample from below before averaging: ``sqr ≥ min_sqr``, ``var ≥ min_var``.
+
+    This is what fairscale's AdaScale does to each sample (``min_var=1e-6``, ``min_sqr=0``),
+    which biases the average slightly upwards but keeps every sample usable on its own. NaN
+    stays NaN (so :func:`ema_update` still skips it).
+    """
+    return GNSEstimate(_floor(est.sqr, min_sqr), _floor(est.var, min_var))
+
+
+def _floor(x: Any, lo: Any) -> Any:
+    if _is_tensor(x):
+        import torch
+
+        return torch.where(torch.isnan(x), x, x.clamp_min(lo))
+    import numpy as np
+
+    out = np.maximum(np.asarray(x, dtype=np.float64), lo)  # np.maximum propagates NaN
+    return float(out) if out.ndim == 0 else out
+
+
+class B3State(NamedTuple):
+    """State of the moving average of AdaScale's Appendix B.3 (Johnson et al., 2020).
+
+    For the first ``n < 1/(1−θ)`` samples the value is the plain mean of the samples so far
+    (``total / count``); afterwards it is the exponential average ``θ·value + (1−θ)·sample``.
+    There is no debiasing: the plain mean plays that role during warm-up.
+    """
+
+    value: Any
+    total: Any
+    count: int
+
+
+def b3_init(zero: Any = 0.0) -> B3State:
+    """A fresh Appendix-B.3 average; ``zero`` fixes the value's shape and type."""
+    return B3State(value=zero * 0.0, total=zero * 0.0, count=0)
+
+
+def b3_update(state: B3State, value: Any, smoothing: float) -> B3State:
+    """Fold one sample into the Appendix-B.3 average (non-finite samples are skipped).
+
+    With ``n`` the new count: ``value = (total + sample)/n`` while ``n < 1/(1−θ)``, else
+    ``value = θ·value + (1−θ)·sample``.
+    """
+    if not 0.0 <= smoothing < 1.0:
+        raise ValueError(f"smoothing={smoothing} must lie in [0, 1)")
+    if not is_finite(value):
+        return state
+    count = state.count + 1
+    if count < 1.0 / (1.0 - smoothing):
+        total = state.total + value
+        return B3State(value=total / count, total=total, count=count)
+    new = smoothing * state.value + (1.0 - smoothing) * value
+    return B3State(value=new, total=state.total, count=count)
+
+
+def b3_value(state: B3State) -> Any:
+    """The current Appendix-B.3 average (0 before any sample)."""
+    return state.value
+
+
+def b3_rescale(state: B3State, factor: Any) -> B3State:
+    """The same Appendix-B.3 average with every past sample multiplied by ``factor``."""
+    return B3State(value=state.value * factor, total=state.total * factor, count=state.count)

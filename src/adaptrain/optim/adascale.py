@@ -1,0 +1,819 @@
+"""AdaScale: fairscale-compatible learning-rate scaling by the gradient-noise gain.
+
+AdaScale (Johnson, Agrawal, Gu & Guestrin, "AdaScale SGD: A User-Friendly Algorithm for
+Distributed Training", ICML 2020, arXiv:2007.05105) scales the learning rate of a step taken
+with a batch ``S`` times larger than the base batch by the gain
+
+    r_t = (var + sqr) / (var / S + sqr),       1 ≤ r_t ≤ S,
+
+where ``sqr ≈ |∇F|²`` and ``var ≈ tr(Σ)/B0`` are moving averages of unbiased estimates built
+from the ``K = world_size × num_gradients_to_accumulate`` micro-batch gradients that make up
+each step (Appendix B.3; the estimator itself is :mod:`adaptrain.core.gns`, shared with
+``adaptrain.torch``). One step at scale ``S`` makes the statistical progress of ``r_t`` base
+steps, which is what ``step += optim.gain()`` counts in the loops below.
+
+:class:`AdaScale` has fairscale 0.4.13's constructor, methods, defaults and numerics (the
+per-sample clipping ``var ≥ 1e-6``, ``sqr ≥ 0``; the debiased EMA or Appendix-B.3 average; the
+state kept under ``optimizer.state["adascale"]``), and differs where fairscale is wrong:
+
+* **Estimated at** ``step()``. Per-micro-batch squared norms are taken by a tensor hook and
+  *committed* only when the gradient is really accumulated into ``.grad`` (a
+  post-accumulate-grad hook), so ``torch.autograd.grad`` calls (gradient penalties,
+  diagnostics) never count. A backward pass whose gradients are then zeroed (``zero_grad`` of
+  the wrapper or of the model, ``set_to_none`` or not) is forgotten: the hooks notice that
+  ``.grad`` was replaced or modified in place since the end of the last backward pass.
+  When a replica's last expected backward pass ends, its ``n_groups + 1`` numbers are
+  all-reduced (asynchronously, one small collective per step, as in fairscale); the moving
+  averages are only updated in ``step()``, from the all-reduced numbers and the synchronised
+  ``.grad``, so every replica computes the same gain. ``gain()`` called between the last
+  backward pass and ``step()`` already includes the step's sample (what fairscale returns
+  there) without committing it; a step that never comes (skipped by a ``GradScaler``) leaves
+  the averages untouched.
+* **Loss scaling.** Gradients rescaled in place between the end of backward and ``step()``
+  (``torch.amp.GradScaler.unscale_``, gradient clipping) are measured, and the sample is
+  expressed in the units the optimizer steps with; the loss scale never reaches the averages.
+  A step skipped by the ``GradScaler`` (``inf``/``NaN`` found) discards its statistics. The
+  rescaling is detected by re-reading a few entries of the largest gradient, so it must be
+  uniform over all parameters (per-parameter clipping is not accounted for). With a
+  ``GradScaler``, call ``scaler.unscale_(optim)`` before ``optim.gain()`` for the progress
+  count to equal the gain ``step()`` applies.
+* **Non-finite samples** (``inf``/``NaN`` gradients) leave the averages unchanged.
+* **Single process without accumulation** raises ``RuntimeError`` (nothing to estimate from).
+* **No process group needed** when ``world_size`` is 1 (accumulation only).
+* **Adaptive optimizers.** For Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta
+  and Adafactor the learning rate is multiplied by ``sqrt(r_t)``, the rule AdaptDL applies to
+  adaptive optimizers (their step is normalised by a running second moment, so the full gain
+  over-shoots); ``gain()`` still returns ``r_t``, the statistical progress of the step. Pass
+  ``sqrt_lr=True/False`` to override the choice.
+* The state is stored as float64 tensors (``torch.load(weights_only=True)`` works);
+  fairscale's numpy state loads too.
+
+Both loop styles of fairscale's documentation work as written::
+
+    optim = AdaScale(SGD(model.parameters(), lr=0.1))          # under DDP, world_size ≥ 2
+    scheduler = LambdaLR(optim, lr_lambda=lambda epoch: 0.1 ** (epoch // 30))
+    step, last_epoch = 0.0, 0
+    for batch in loader:
+        optim.zero_grad()
+        loss_fn(model(batch)).backward()
+        step += optim.gain()
+        optim.step()
+        epoch = int(step // len(loader))
+        if epoch > last_epoch:
+            scheduler.step()
+            last_epoch = epoch
+
+Gradient accumulation in one process: ``AdaScale(opt, num_gradients_to_accumulate=4)`` and
+four ``(loss / 4).backward()`` calls per ``step()`` (``is_scaled_loss=False`` for unscaled
+losses, then ``scale_grad_by_num_grads_to_accum()`` before ``step()``). Under DDP, accumulate
+inside ``model.no_sync()`` except for the last micro-batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from adaptrain.core.gns import (
+    B3State,
+    EMAState,
+    GNSEstimate,
+    b3_rescale,
+    b3_update,
+    b3_value,
+    clip_estimate,
+    ema_rescale,
+    ema_update,
+    ema_value,
+    unbiased_estimate,
+)
+from adaptrain.core.gns import (
+    gain as _gain,
+)
+
+__all__ = ["AdaScale", "ADAPTIVE_OPTIMIZERS"]
+
+logger = logging.getLogger(__name__)
+
+#: Optimizer classes whose learning rate AdaScale scales by ``sqrt(gain)`` (AdaptDL's rule).
+ADAPTIVE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Adagrad",
+        "Adadelta",
+        "SparseAdam",
+        "Adafactor",
+    )
+    if hasattr(torch.optim, name)
+)
+
+#: fairscale clips every raw variance sample at this floor (and sqr at 0) before averaging.
+_VAR_FLOOR = 1e-6
+
+_KEYS_PER_NAME = ("", "_biased", "_unbias", "_total")
+
+
+def _sqr_norm(grad: torch.Tensor) -> torch.Tensor:
+    """``|grad|²`` as a 0-d tensor on the gradient's device (no host sync)."""
+    if grad.is_sparse:
+        grad = grad.coalesce()._values()
+    grad = grad.detach()
+    if grad.is_complex():
+        grad = torch.view_as_real(grad)
+    if grad.dtype in (torch.float16, torch.bfloat16):
+        grad = grad.float()
+    # pow(2).sum() as fairscale: a pairwise (accurate) reduction; torch.dot and vector_norm
+    # are faster but 10-100x less accurate in float32, and var = L − T is a difference.
+    return grad.pow(2).sum()
+
+
+class AdaScale(Optimizer):
+    """Wrap ``optimizer`` and scale its learning rate by the AdaScale gain at every step.
+
+    Args:
+        optimizer: the optimizer to wrap (SGD first; adaptive optimizers use ``sqrt(gain)``).
+        world_size: number of data-parallel replicas; default ``dist.get_world_size()`` when a
+            process group is initialised, else 1.
+        scale: batch size over the base batch size; default
+            ``world_size × num_gradients_to_accumulate``.
+        smoothing: moving-average constant θ in ``[0, 1)``; default
+            ``max(1 − world_size × num_gradients_to_accumulate / 1000, 0)``.
+        num_gradients_to_accumulate: backward passes per replica between two ``step()`` calls.
+        is_scaled_loss: True when each micro-batch loss is divided by
+            ``num_gradients_to_accumulate`` (the usual accumulation), False when it is not.
+        debias_ewma: True (default) for an Adam-style debiased EMA; False for the
+            mean-then-EMA average of the paper's Appendix B.3.
+        sqrt_lr: keyword-only extension: scale the LR by ``sqrt(gain)`` instead of ``gain``.
+            Default None: True exactly for :data:`ADAPTIVE_OPTIMIZERS`.
+
+    Raises:
+        RuntimeError: for a single replica without accumulation (``world_size ×
+            num_gradients_to_accumulate == 1``): there is nothing to estimate the noise from.
+        ValueError: for a scale below 1, a smoothing outside ``[0, 1)`` or an accumulation
+            count below 1.
+    """
+
+    # GradScaler must unscale the gradients itself before calling step().
+    _step_supports_amp_scaling = False
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        world_size: int | None = None,
+        scale: float | None = None,
+        smoothing: float | None = None,
+        num_gradients_to_accumulate: int = 1,
+        is_scaled_loss: bool = True,
+        debias_ewma: bool = True,
+        *,
+        sqrt_lr: bool | None = None,
+    ) -> None:
+        self._hook_handles: list[Any] = []  # first: a partly built object must survive __del__
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer={type(optimizer).__name__} is not a torch.optim.Optimizer; wrap one"
+            )
+        self._optimizer = optimizer
+        if world_size is None:
+            world_size = (
+                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            )
+        if int(world_size) < 1:
+            raise ValueError(f"world_size={world_size} must be at least 1")
+        self._world_size = int(world_size)
+        if self._world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                f"world_size={world_size} but torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group first (AdaScale all-reduces its "
+                "statistics), or use world_size=1 with num_gradients_to_accumulate ≥ 2"
+            )
+        self._is_scaled_loss = bool(is_scaled_loss)
+        self._debias_ewma = bool(debias_ewma)
+        self._sqrt_lr = isinstance(optimizer, ADAPTIVE_OPTIMIZERS) if sqrt_lr is None else sqrt_lr
+        # Proxy the param_groups so torch.optim.lr_scheduler works on the wrapper.
+        self.param_groups = self._optimizer.param_groups
+
+        self._in_backward = False
+        self._grads_divided = False
+        self._clear_accumulators()
+        self._num_grads_to_accum = 1
+        self._smoothing = 0.0
+        self.set_num_gradients_to_accumulate(num_gradients_to_accumulate, update_smoothing=True)
+        if smoothing is not None:
+            self._check_smoothing(smoothing)
+            self._smoothing = float(smoothing)
+        if self._world_size * self._num_grads_to_accum <= 1:
+            raise RuntimeError(
+                "AdaScale needs at least 2 gradients per step to estimate the gradient noise, "
+                "but world_size=1 and num_gradients_to_accumulate=1: run data-parallel with "
+                "world_size ≥ 2 or accumulate gradients (num_gradients_to_accumulate ≥ 2)"
+            )
+        if "adascale" not in self._optimizer.state:
+            self._optimizer.state["adascale"] = self._fresh_state(len(self.param_groups))
+        else:  # a wrapped optimizer that already carries (possibly fairscale's numpy) state
+            self._optimizer.state["adascale"] = self._normalize_state(
+                self._optimizer.state["adascale"], len(self.param_groups)
+            )
+        scale = self._world_size * self._num_grads_to_accum if scale is None else scale
+        if not scale >= 1:
+            raise ValueError(f"scale={scale} must be at least 1 (batch size / base batch size)")
+        # Set directly: statistics the wrapped optimizer already carries are at this scale.
+        self._scale = float(scale)
+        self._hook()
+
+    # ------------------------------------------------------------------ state helpers
+    @staticmethod
+    def _check_smoothing(smoothing: float) -> None:
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing={smoothing} must lie in [0, 1) (0 = no averaging)")
+
+    @staticmethod
+    def _fresh_state(n: int) -> dict[str, torch.Tensor]:
+        z = torch.zeros(n, dtype=torch.float64)
+        state = {"grad_sqr_avg": torch.ones(n, dtype=torch.float64)}
+        state["grad_var_avg"] = z.clone()
+        for name in ("grad_sqr_avg", "grad_var_avg"):
+            for suffix in _KEYS_PER_NAME[1:]:
+                state[name + suffix] = z.clone()
+            state[name + "_count"] = torch.zeros(1, dtype=torch.int64)
+        return state
+
+    @classmethod
+    def _normalize_state(cls, data: dict[str, Any], n: int) -> dict[str, torch.Tensor]:
+        """Our tensor state from ours or fairscale's (numpy arrays, keys created lazily)."""
+        state = cls._fresh_state(n)
+        for key, value in data.items():
+            if key not in state:
+                raise ValueError(
+                    f"unknown AdaScale state entry {key!r}: not an AdaScale/fairscale state dict"
+                )
+            t = torch.as_tensor(value).detach().clone().reshape(-1)
+            state[key] = t.to(state[key].dtype)
+        for name in ("grad_sqr_avg", "grad_var_avg"):
+            if state[name].numel() != n:
+                raise ValueError(
+                    f"AdaScale state has {state[name].numel()} parameter groups, the optimizer "
+                    f"{n}: load it into an optimizer with the same param_groups"
+                )
+            if name + "_count" not in data:  # fairscale's debiased EMA keeps no count
+                state[name + "_count"] = (
+                    (state[name + "_unbias"] > 0).any().to(torch.int64).reshape(1)
+                )
+        return state
+
+    @property
+    def _state(self) -> dict[str, torch.Tensor]:
+        return self._optimizer.state["adascale"]
+
+    def _ema(self, name: str) -> EMAState:
+        s = self._state
+        return EMAState(s[name + "_biased"], s[name + "_unbias"], int(s[name + "_count"][0]))
+
+    def _b3(self, name: str) -> B3State:
+        s = self._state
+        return B3State(s[name], s[name + "_total"], int(s[name + "_count"][0]))
+
+    def _store_ema(self, name: str, st: EMAState) -> None:
+        s = self._state
+        s[name + "_biased"], s[name + "_unbias"] = st.biased, st.weight
+        s[name + "_count"] = torch.tensor([st.count], dtype=torch.int64)
+        if st.count > 0:
+            s[name] = ema_value(st)
+
+    def _store_b3(self, name: str, st: B3State) -> None:
+        s = self._state
+        s[name + "_total"] = st.total
+        s[name + "_count"] = torch.tensor([st.count], dtype=torch.int64)
+        if st.count > 0:
+            s[name] = b3_value(st)
+
+    def _clear_accumulators(self) -> None:
+        """Forget every gradient seen since the last step (or the last zeroing)."""
+        self._drop_reduced()
+        self._pending: dict[int, torch.Tensor] = {}
+        self._bw_sqr: dict[int, torch.Tensor] = {}  # committed in the current backward pass
+        self._bw_reset = False
+        self._acc_sqr: dict[int, torch.Tensor] = {}  # per param: Σ over micro-batches
+        self._acc_count: dict[int, int] = {}
+        self._grad_record: dict[int, tuple[Any, int]] = {}
+        self._grads_divided = False
+        self._probe: tuple[int, Any, Any] | None = None
+
+    def _drop_reduced(self) -> None:
+        reduced = self.__dict__.get("_reduced")
+        if reduced is not None and reduced[0] is not None:
+            reduced[0].wait()  # never leave a collective dangling
+        self._reduced: tuple[Any, torch.Tensor, list[float]] | None = None
+        self._est_cache: GNSEstimate | None = None
+        self._avg_cache: tuple[float | None, Any] | None = None
+
+    # ------------------------------------------------------------------ hooks
+    def _params(self) -> list[tuple[int, int, torch.Tensor]]:
+        out = []
+        i = 0
+        for g_idx, group in enumerate(self._optimizer.param_groups):
+            for p in group["params"]:
+                out.append((i, g_idx, p))
+                i += 1
+        return out
+
+    def _hook(self) -> None:
+        if self._hook_handles:
+            raise RuntimeError("AdaScale hooks are already registered: call unhook() first")
+        self._param_list = self._params()
+        self._group_of = {i: g for i, g, _ in self._param_list}
+        for i, _, p in self._param_list:
+            if not p.requires_grad:
+                continue
+            self._hook_handles.append(p.register_hook(self._make_grad_hook(i, p)))
+            self._hook_handles.append(
+                p.register_post_accumulate_grad_hook(self._make_commit_hook(i))
+            )
+
+    def _make_grad_hook(self, i: int, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        pref = weakref.ref(p)
+        sref = weakref.ref(self)
+
+        def hook(grad: torch.Tensor) -> None:
+            self_ = sref()
+            param = pref()
+            if self_ is None or param is None:
+                return
+            if not self_._in_backward:
+                self_._in_backward = True
+                torch.autograd.Variable._execution_engine.queue_callback(self_._queue_final)
+            record = self_._grad_record.get(i)
+            if record is not None:
+                ref, version = record
+                cur = param.grad
+                if cur is None or ref() is not cur or cur._version != version:
+                    self_._bw_reset = True  # .grad was zeroed or changed since the last backward
+            self_._pending[i] = _sqr_norm(grad)
+
+        return hook
+
+    def _make_commit_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        sref = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            self_ = sref()
+            if self_ is None:
+                return
+            value = self_._pending.pop(i, None)
+            if value is not None:
+                self_._bw_sqr[i] = value
+
+        return hook
+
+    def _queue_final(self) -> None:
+        # Runs after the graph; queue the real work behind callbacks queued later in the same
+        # backward pass (DistributedDataParallel's gradient synchronisation is one of them).
+        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def _final_callback(self) -> None:
+        self._in_backward = False
+        self._pending.clear()  # gradients that were never accumulated (autograd.grad)
+        if not self._bw_sqr:
+            self._bw_reset = False
+            return
+        bw_sqr, reset = self._bw_sqr, self._bw_reset
+        if reset:
+            self._clear_accumulators()
+        self._drop_reduced()
+        self._bw_sqr, self._bw_reset = {}, False
+        for i, value in bw_sqr.items():
+            prev = self._acc_sqr.get(i)
+            self._acc_sqr[i] = value if prev is None else prev + value
+            self._acc_count[i] = self._acc_count.get(i, 0) + 1
+        # Remember each .grad as the end of this backward pass left it, to notice zeroing
+        # before the next one and in-place rescaling (unscale_, clipping) before step().
+        record = {}
+        for i, _, p in self._param_list:
+            if p.grad is not None:
+                record[i] = (weakref.ref(p.grad), p.grad._version)
+        self._grad_record = record
+        if max(self._acc_count.values()) == self._num_grads_to_accum:
+            # The step's last backward pass: start the (asynchronous) all-reduce now, on every
+            # replica alike, so that gain() never has to start a collective.
+            self._reduced = self._launch_reduce(async_op=True)
+
+    def _launch_reduce(self, async_op: bool) -> tuple[Any, torch.Tensor, list[float]]:
+        """All-reduce ``[Σ_i |g_i|² per group..., backward passes]``; also ``|.grad|²`` now."""
+        local = [0.0] * len(self._optimizer.param_groups)
+        if self._acc_sqr:
+            idx = list(self._acc_sqr)
+            vals = torch.stack([self._acc_sqr[i] for i in idx]).to(torch.float64).cpu().tolist()
+            for i, v in zip(idx, vals):
+                local[self._group_of[i]] += v
+        k_local = max(self._acc_count.values()) if self._acc_count else 0
+        total = self._total_grad_sqr()
+        self._probe = self._make_probe(self._last_probe)
+        vec = torch.tensor(local + [float(k_local)], dtype=torch.float64)
+        work = None
+        if self._world_size > 1:
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"AdaScale(world_size={self._world_size}) needs an initialised process "
+                    "group to all-reduce its statistics: call torch.distributed."
+                    "init_process_group first, or pass world_size=1 with accumulation"
+                )
+            vec = vec.to(self._comm_device())
+            work = dist.all_reduce(vec, async_op=async_op)
+            if not async_op:
+                work = None
+        return work, vec, total
+
+    def _total_grad_sqr(self) -> list[float]:
+        """Per param group ``Σ |p.grad|²`` (float32 per parameter, summed in float64)."""
+        per_param = [
+            _sqr_norm(p.grad) if p.grad is not None else None for _, _, p in self._param_list
+        ]
+        present = [t for t in per_param if t is not None]
+        values = iter(torch.stack(present).tolist() if present else [])
+        sums = [0.0] * len(self._optimizer.param_groups)
+        best = None
+        for (i, g_idx, _), t in zip(self._param_list, per_param):
+            if t is not None:
+                v = next(values)
+                sums[g_idx] += v
+                if v > 0 and (best is None or v > best[1]):
+                    best = (i, v)
+        self._last_probe = best
+        return sums
+
+    def _total_if_rescaled(self, total_end: list[float]) -> float | None:
+        """``Σ|.grad|²`` now if the gradients were rescaled since the end of backward, else None.
+
+        In-place rescaling is not visible in version counters (``GradScaler.unscale_`` does
+        not bump them), so a few entries of the largest gradient of the last backward pass
+        are re-read; a change there means a (uniform) rescaling, and the full sum is taken.
+        """
+        if self._probe is None:
+            return None
+        i, idx, before = self._probe
+        grad = self._param_list[i][2].grad
+        if grad is not None and not grad.is_sparse and torch.equal(grad.reshape(-1)[idx], before):
+            return None
+        return float(sum(self._total_grad_sqr()))
+
+    def _make_probe(self, best: tuple[int, float] | None) -> tuple[int, Any, Any] | None:
+        if best is None:
+            return None
+        i = best[0]
+        grad = self._param_list[i][2].grad
+        if grad is None or grad.is_sparse:
+            return None
+        flat = grad.reshape(-1)
+        n, k = flat.numel(), min(16, flat.numel())
+        idx = torch.arange(k, device=flat.device) * (n - 1) // max(k - 1, 1)  # spread, exact
+        values = flat[idx].clone()
+        if not bool((values != 0).any()):
+            # every probed entry is 0: probe the entry of largest magnitude instead
+            idx = flat.abs().argmax().reshape(1)
+            values = flat[idx].clone()
+        return i, idx, values
+
+        return float(sum(self._total_grad_sqr()))
+
+    def __del__(self) -> None:
+        self.unhook()
+
+    def unhook(self) -> None:
+        """Remove the gradient hooks (call it to let the parameters be freed)."""
+        for h in self.__dict__.get("_hook_handles", []):
+            h.remove()
+        self._hook_handles = []
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def scale(self) -> float:
+        """Batch size over the base batch size (``S``)."""
+        return self._scale
+
+    @property
+    def smoothing(self) -> float:
+        """Moving-average constant θ of the gradient statistics."""
+        return self._smoothing
+
+    @property
+    def num_gradients_to_accumulate(self) -> int:
+        """Backward passes per replica between two steps."""
+        return self._num_grads_to_accum
+
+    def set_scale(self, scale: float, update_estimate: bool = True) -> None:
+        """Set ``S``; with ``update_estimate`` the variance averages move to the new base batch.
+
+        ``var = tr(Σ)/B0`` is expressed at the base batch size, so when ``S`` changes at a fixed
+        batch every past sample is multiplied by ``S_old / S_new``.
+        """
+        self._check_not_in_backward("set_scale")
+        if not scale >= 1:
+            raise ValueError(f"scale={scale} must be at least 1 (batch size / base batch size)")
+        if update_estimate:
+            f = self._scale / scale
+            name, s = "grad_var_avg", self._state
+            if self._debias_ewma:
+                s[name + "_biased"] = ema_rescale(self._ema(name), f).biased
+                s[name] = s[name] * f
+            else:
+                b3 = b3_rescale(self._b3(name), f)
+                s[name], s[name + "_total"] = b3.value, b3.total
+        self._scale = float(scale)
+        self._est_cache = self._avg_cache = None
+
+    def set_num_gradients_to_accumulate(
+        self, num_gradients_to_accumulate: int, update_smoothing: bool = True
+    ) -> None:
+        """Set the backward passes per step; by default also the default smoothing for it."""
+        self._check_not_in_backward("set_num_gradients_to_accumulate")
+        if (
+            int(num_gradients_to_accumulate) != num_gradients_to_accumulate
+            or num_gradients_to_accumulate < 1
+        ):
+            raise ValueError(
+                f"num_gradients_to_accumulate={num_gradients_to_accumulate} must be an integer ≥ 1"
+            )
+        if (
+            self.__dict__.get("_state_ready", False)
+            and self._world_size * num_gradients_to_accumulate <= 1
+        ):
+            raise RuntimeError(
+                "num_gradients_to_accumulate=1 with world_size=1 leaves nothing to estimate the "
+                "gradient noise from: keep accumulating (≥ 2)"
+            )
+        self._num_grads_to_accum = int(num_gradients_to_accumulate)
+        self._state_ready = True
+        self._est_cache = self._avg_cache = None
+        if update_smoothing:
+            self._smoothing = max(1 - self._world_size * self._num_grads_to_accum / 1000, 0)
+
+    def _sqr_var(self, pg_idx: int | None) -> tuple[float, float]:
+        s = self._state
+        sqr, var = s["grad_sqr_avg"], s["grad_var_avg"]
+        if self._reduced is not None:  # this step's gradients are in: include them
+            pending = self._pending_averages()
+            if pending is not None:
+                sqr, var = pending[1]
+        if pg_idx is None:
+            return float(sqr.sum()), float(var.sum())
+        return float(sqr[pg_idx]), float(var[pg_idx])
+
+    def gain(self, pg_idx: int | None = None) -> float:
+        """The gain ``r_t``: statistical progress of the step, in base-batch steps.
+
+        Called after the step's backward passes and before ``step()``, it already includes
+        their statistics (as fairscale's does) and equals what ``step()`` will apply, provided
+        the gradients are not rescaled in between (with a ``GradScaler``, call
+        ``scaler.unscale_(optim)`` first); after ``step()`` it is the gain that step used.
+
+        Args:
+            pg_idx: a parameter group; None sums ``sqr`` and ``var`` over all groups first.
+        """
+        sqr, var = self._sqr_var(pg_idx)
+        return float(_gain(sqr, var, self._scale))
+
+    def lr_factor(self, pg_idx: int | None = None) -> float:
+        """What ``step()`` multiplies the learning rate by: ``gain`` or ``sqrt(gain)``."""
+        g = self.gain(pg_idx)
+        return math.sqrt(g) if self._sqrt_lr else g
+
+    def scale_grad_by_num_grads_to_accum(self) -> None:
+        """Divide the accumulated gradients by the accumulation count (unscaled losses)."""
+        self._check_not_in_backward("scale_grad_by_num_grads_to_accum")
+        if self._num_grads_to_accum <= 1:
+            raise RuntimeError(
+                "scale_grad_by_num_grads_to_accum needs num_gradients_to_accumulate > 1"
+            )
+        if self._is_scaled_loss:
+            raise RuntimeError(
+                "scale_grad_by_num_grads_to_accum is for unscaled losses: construct AdaScale "
+                "with is_scaled_loss=False, or keep dividing the loss instead"
+            )
+        with torch.no_grad():
+            for _, _, p in self._param_list:
+                if p.grad is not None:
+                    p.grad.div_(self._num_grads_to_accum)
+        self._grads_divided = True
+
+    def _check_not_in_backward(self, what: str) -> None:
+        if self.__dict__.get("_in_backward", False):
+            raise RuntimeError(f"{what}() called during a backward pass; call it after backward")
+
+    # ------------------------------------------------------------------ the estimate
+    def _wait_reduced(self) -> tuple[torch.Tensor, list[float]]:
+        assert self._reduced is not None
+        work, vec, total = self._reduced
+        if work is not None:
+            work.wait()
+            vec = vec.cpu()
+            self._reduced = (None, vec, total)
+        return vec.cpu(), total
+
+    def _sample(
+        self, reduced: tuple[torch.Tensor, list[float]]
+    ) -> tuple[GNSEstimate | None, float | None]:
+        """One ``(sqr, var)`` sample per group from the all-reduced statistics of this step.
+
+        Returns ``(None, None)`` when no backward pass happened since the last step, and
+        with the sample the measured ``Σ|.grad|²`` if the gradients were rescaled, else None.
+        """
+        vec, total_end = reduced
+        cached = self._est_cache
+        est = cached if cached is not None else self._raw_sample(vec, total_end)
+        self._est_cache = est
+        if est is None:
+            return None, None
+        c = self._num_grads_to_accum
+        now = self._total_if_rescaled(total_end)
+        key = now
+        if now is not None:
+            # Gradients rescaled in place after backward (GradScaler.unscale_, clipping,
+            # scale_grad_by_num_grads_to_accum): express the sample in the optimizer's units.
+            if self._grads_divided:
+                now *= c**2
+            end = float(sum(total_end))
+            if end > 0 and math.isfinite(end):
+                ratio = now / end
+                est = GNSEstimate(est.sqr * ratio, est.var * ratio)
+        return est, key
+
+    def _raw_sample(self, vec: torch.Tensor, total_end: list[float]) -> GNSEstimate | None:
+        """The sample in the units of the backward passes (fairscale's computation)."""
+        k = int(round(float(vec[-1])))
+        if k == 0:
+            return None
+        c = self._num_grads_to_accum
+        expected = self._world_size * c
+        if k != expected:
+            raise RuntimeError(
+                f"AdaScale saw {k} backward passes in this step across replicas but expects "
+                f"world_size × num_gradients_to_accumulate = {self._world_size} × {c} = "
+                f"{expected}: call set_num_gradients_to_accumulate() when the loop changes, and "
+                "zero the gradients after any backward pass that is not part of the step"
+            )
+        local_sum = vec[:-1]
+        total = torch.tensor(total_end, dtype=torch.float64)
+        if c > 1:
+            if self._is_scaled_loss:
+                local_sum = local_sum * c**2  # each pass saw grad/c
+            else:
+                total = total / c**2  # .grad held the sum of c passes
+        # fairscale's Appendix-B.3 sample, with var = tr(Σ)/B0 at base batch B = B0·S:
+        # micro-batch / base batch = S/K.
+        est = unbiased_estimate(local_sum / k, total, k, self._scale / k)
+        return clip_estimate(est, min_sqr=0.0, min_var=_VAR_FLOOR)
+
+    def _pending_averages(self) -> tuple[list[Any], tuple[torch.Tensor, torch.Tensor]] | None:
+        """The averages with this step's sample folded in: ``(new states, (sqr, var))``.
+
+        Cached between ``gain()`` and ``step()`` while the gradients are not rescaled.
+        """
+        est, key = self._sample(self._wait_reduced())
+        if est is None:
+            return None
+        cache = self._avg_cache
+        if cache is not None and cache[0] == key:
+            return cache[1]
+        states, values = [], []
+        for name, value in (("grad_sqr_avg", est.sqr), ("grad_var_avg", est.var)):
+            if self._debias_ewma:
+                st = ema_update(self._ema(name), value, self._smoothing)
+                values.append(ema_value(st) if st.count > 0 else self._state[name])
+            else:
+                st = b3_update(self._b3(name), value, self._smoothing)
+                values.append(b3_value(st))
+            states.append(st)
+        result = (states, (values[0], values[1]))
+        self._avg_cache = (key, result)
+        return result
+
+    def _update_estimate(self) -> None:
+        """Fold this step's sample into the averages and start afresh."""
+        if self._reduced is None:
+            # The count never reached num_gradients_to_accumulate (no backward, or a wrong
+            # count): agree on it across replicas so that all of them return or raise alike.
+            self._reduced = self._launch_reduce(async_op=False)
+        try:
+            pending = self._pending_averages()
+            if pending is not None:
+                for name, st in zip(("grad_sqr_avg", "grad_var_avg"), pending[0]):
+                    if self._debias_ewma:
+                        self._store_ema(name, st)
+                    else:
+                        self._store_b3(name, st)
+        finally:
+            self._clear_accumulators()
+
+    def _comm_device(self) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Update the gradient statistics, then step the wrapped optimizer with a scaled LR.
+
+        Each group's ``lr`` is multiplied by :meth:`lr_factor` for the step and restored after.
+        A closure (positional or ``closure=``) is evaluated once before the statistics are
+        taken; the wrapped optimizer reuses that first evaluation and any re-evaluation it
+        makes (L-BFGS line search) is not counted in the statistics.
+        """
+        self._check_not_in_backward("step")
+        closure = kwargs.pop("closure", None)
+        if closure is None and args and callable(args[0]):
+            closure, args = args[0], args[1:]
+        first: list[Any] = []
+        if closure is not None:
+            with torch.enable_grad():
+                first.append(closure())
+        self._update_estimate()
+        original = [group["lr"] for group in self._optimizer.param_groups]
+        for idx, group in enumerate(self._optimizer.param_groups):
+            group["lr"] = group["lr"] * self.lr_factor(idx)
+        try:
+            if closure is None:
+                return self._optimizer.step(*args, **kwargs)
+
+            def once() -> Any:
+                if first:
+                    return first.pop()
+                with torch.enable_grad():
+                    return closure()
+
+            result = self._optimizer.step(once, *args, **kwargs)
+            self._clear_accumulators()
+            return result
+        finally:
+            for lr, group in zip(original, self._optimizer.param_groups):
+                group["lr"] = lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapped optimizer's gradients and forget the statistics gathered since."""
+        self._check_not_in_backward("zero_grad")
+        self._clear_accumulators()
+        self._grads_divided = False
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer; its statistics start empty."""
+        self._check_not_in_backward("add_param_group")
+        self._optimizer.add_param_group(param_group)
+        self.unhook()
+        self._clear_accumulators()
+        self._hook()
+        s = self._state
+        for key in list(s):
+            if key.endswith("_count"):
+                continue
+            fill = 1.0 if key == "grad_sqr_avg" else 0.0
+            s[key] = torch.cat([s[key], torch.tensor([fill], dtype=s[key].dtype)])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict; the AdaScale averages ride in its ``state``.
+
+        Take it between steps: statistics of a half-accumulated step are not saved.
+        """
+        self._check_not_in_backward("state_dict")
+        sd = self._optimizer.state_dict()
+        sd["state"] = dict(sd["state"])
+        sd["state"]["adascale"] = {k: v.clone() for k, v in self._state.items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` (or from fairscale's AdaScale)."""
+        self._check_not_in_backward("load_state_dict")
+        sd = dict(state_dict)
+        sd["state"] = dict(sd["state"])
+        ours = sd["state"].pop("adascale", None)
+        self._optimizer.load_state_dict(sd)
+        n = len(self._optimizer.param_groups)
+        self._optimizer.state["adascale"] = (
+            self._fresh_state(n) if ours is None else self._normalize_state(ours, n)
+        )
+        self.param_groups = self._optimizer.param_groups
+        self._clear_accumulators()
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaScale(scale={self._scale}, smoothing={self._smoothing}, "
+            f"num_gradients_to_accumulate={self._num_grads_to_accum}, "
+            f"world_size={self._world_size}, optimizer={self._optimizer!r})"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        """Forward unknown attributes to the wrapped optimizer (as fairscale does)."""
+        if name.startswith("__") or "_optimizer" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["_optimizer"], name)

@@ -1,0 +1,573 @@
+"""Tests of adaptrain.optim.adascale.AdaScale (single process, and 2 gloo processes)."""
+
+from __future__ import annotations
+
+import copy
+import faulthandler
+import functools
+import io
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from adaptrain.dist.spawn import spawn
+from adaptrain.optim.adascale import AdaScale
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one intra-op thread is faster and kinder to a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@functools.lru_cache(maxsize=1)
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+
+
+def make_model(seed: int = 0, hidden: int = 16) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 10)
+    )
+
+
+def batches(seed: int, b: int = 8):
+    """An endless, seeded stream of random digits micro-batches."""
+    x, y = digits()
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(0, len(x), (b,), generator=g)
+        yield x[idx], y[idx]
+
+
+def loss_of(model, batch):
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def train(
+    model,
+    opt,
+    steps,
+    c,
+    seed=1,
+    scaled=True,
+    before_step=None,
+    scaler=None,
+    skip_steps=(),
+):
+    """Accumulate ``c`` micro-batches per step; returns the gains seen before each step."""
+    data = batches(seed)
+    gains = []
+    for s in range(steps):
+        opt.zero_grad()
+        for _ in range(c):
+            loss = loss_of(model, next(data))
+            if scaled:
+                loss = loss / c
+            if s in skip_steps:
+                loss = loss * math.inf
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if before_step is not None:
+            before_step(s)
+        if scaler is not None:
+            scaler.unscale_(opt)
+        gains.append(opt.gain())
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    return gains
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_single_process_without_accumulation_is_an_error():
+    model = make_model()
+    with pytest.raises(RuntimeError, match="at least 2 gradients"):
+        AdaScale(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="scale"):
+        AdaScale(
+            torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2, scale=0.5
+        )
+    with pytest.raises(RuntimeError, match="not initialised"):
+        AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), world_size=2)
+    with pytest.raises(ValueError, match="smoothing"):
+        AdaScale(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            num_gradients_to_accumulate=2,
+            smoothing=1.0,
+        )
+
+
+def test_world_size_one_with_accumulation_needs_no_process_group():
+    assert not dist.is_initialized()
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=4)
+    assert opt.scale == 4 and opt.smoothing == pytest.approx(0.996)
+    x, y = digits()
+    before = F.cross_entropy(model(x), y).item()
+    gains = train(model, opt, 60, 4)
+    assert F.cross_entropy(model(x), y).item() < before
+    assert gains[0] > 1.0 and all(1.0 <= g <= 4.0 for g in gains)
+    # statistics of this step are in the gain before step(): it changes at every step
+    assert len(set(gains)) == len(gains)
+
+
+def test_effective_lr_is_base_lr_times_gain_and_restored():
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=3)
+    data = batches(2)
+    for _ in range(20):
+        opt.zero_grad()
+        for _ in range(3):
+            (loss_of(model, next(data)) / 3).backward()
+        before = params_of(model)
+        grads = [p.grad.clone() for p in model.parameters()]
+        g = opt.gain()
+        assert g == opt.lr_factor() and g > 1.0
+        opt.step()
+        assert opt.gain() == g  # the gain the step used
+        assert opt.param_groups[0]["lr"] == 0.1
+        for p0, p1, gr in zip(before, model.parameters(), grads):
+            torch.testing.assert_close(p1.detach(), p0 - 0.1 * g * gr, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("sched", ["lambda", "step"])
+def test_lr_schedulers_drive_the_base_lr(sched):
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.2), num_gradients_to_accumulate=2)
+    if sched == "lambda":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda e: 0.5**e)
+    else:
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    reference = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
+    ref_sched = (
+        torch.optim.lr_scheduler.LambdaLR(reference, lr_lambda=lambda e: 0.5**e)
+        if sched == "lambda"
+        else torch.optim.lr_scheduler.StepLR(reference, step_size=2, gamma=0.1)
+    )
+    data = batches(3)
+    for _ in range(6):
+        opt.zero_grad()
+        for _ in range(2):
+            (loss_of(model, next(data)) / 2).backward()
+        before = params_of(model)
+        grads = [p.grad.clone() for p in model.parameters()]
+        g = opt.gain()
+        opt.step()
+        base = reference.param_groups[0]["lr"]
+        assert opt.param_groups[0]["lr"] == pytest.approx(base)
+        for p0, p1, gr in zip(before, model.parameters(), grads):
+            torch.testing.assert_close(p1.detach(), p0 - base * g * gr, rtol=1e-5, atol=1e-7)
+        scheduler.step()
+        reference.step()
+        ref_sched.step()
+    assert scheduler.get_last_lr() == pytest.approx(ref_sched.get_last_lr())
+
+
+def test_unscaled_loss_matches_scaled_loss():
+    m1, m2 = make_model(), make_model()
+    o1 = AdaScale(torch.optim.SGD(m1.parameters(), lr=0.1), num_gradients_to_accumulate=4)
+    o2 = AdaScale(
+        torch.optim.SGD(m2.parameters(), lr=0.1),
+        num_gradients_to_accumulate=4,
+        is_scaled_loss=False,
+    )
+    g1 = train(m1, o1, 30, 4)
+    g2 = train(
+        m2, o2, 30, 4, scaled=False, before_step=lambda s: o2.scale_grad_by_num_grads_to_accum()
+    )
+    np.testing.assert_allclose(g1, g2, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="unscaled"):
+        o1.scale_grad_by_num_grads_to_accum()
+
+
+def test_grad_scaler_loss_scale_does_not_pollute_the_estimate():
+    ref_model, amp_model = make_model(), make_model()
+    ref = AdaScale(torch.optim.SGD(ref_model.parameters(), lr=0.1), num_gradients_to_accumulate=4)
+    amp = AdaScale(torch.optim.SGD(amp_model.parameters(), lr=0.1), num_gradients_to_accumulate=4)
+    # the loss scale doubles every 3 steps: 2^10 ... 2^22 over the run
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    g_ref = train(ref_model, ref, 40, 4)
+    g_amp = train(amp_model, amp, 40, 4, scaler=scaler)
+    assert scaler.get_scale() > 2.0**20
+    np.testing.assert_allclose(g_amp, g_ref, rtol=1e-9)
+    np.testing.assert_allclose(amp._state["grad_var_avg"], ref._state["grad_var_avg"], rtol=1e-9)
+    for a, b in zip(amp_model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b)
+
+
+def test_grad_scaler_skipped_step_discards_its_statistics():
+    ref_model, amp_model = make_model(), make_model()
+    ref = AdaScale(torch.optim.SGD(ref_model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    amp = AdaScale(torch.optim.SGD(amp_model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    g_amp = train(amp_model, amp, 12, 2, scaler=scaler, skip_steps=(5,))
+    assert scaler.get_scale() == 2.0**7  # the overflowing step was skipped and backed off
+
+    def skip_like_scaler(s):
+        if s == 5:  # same micro-batches consumed, no update, statistics dropped
+            ref.zero_grad()
+
+    g_ref = []
+    data = batches(1)
+    for s in range(12):
+        ref.zero_grad()
+        for _ in range(2):
+            (loss_of(ref_model, next(data)) / 2).backward()
+        skip_like_scaler(s)
+        g_ref.append(ref.gain())
+        if s != 5:
+            ref.step()
+    np.testing.assert_allclose(
+        [g for s, g in enumerate(g_amp) if s != 5],
+        [g for s, g in enumerate(g_ref) if s != 5],
+        rtol=1e-9,
+    )
+
+
+def test_non_finite_gradients_leave_the_statistics_unchanged():
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.0), num_gradients_to_accumulate=2)
+    train(model, opt, 5, 2)
+    state = {k: v.clone() for k, v in opt._state.items()}
+    gain = opt.gain()
+    for bad in (math.nan, math.inf):
+        opt.zero_grad()
+        data = batches(7)
+        for _ in range(2):
+            (loss_of(model, next(data)) * bad).backward()
+        opt.step()
+        assert opt.gain() == gain
+        for k, v in opt._state.items():
+            torch.testing.assert_close(v, state[k], msg=k)
+
+
+def test_gradient_penalty_via_autograd_grad_is_not_counted():
+    """A diagnostic autograd.grad before backward: identical statistics to a clean run."""
+    m1, m2 = make_model(), make_model()
+    o1 = AdaScale(torch.optim.SGD(m1.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    o2 = AdaScale(torch.optim.SGD(m2.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    g1 = train(m1, o1, 15, 2)
+    data, g2 = batches(1), []
+    for _ in range(15):
+        o2.zero_grad()
+        for _ in range(2):
+            loss = loss_of(m2, next(data)) / 2
+            norms = torch.autograd.grad(loss, list(m2.parameters()), retain_graph=True)
+            assert all(torch.isfinite(n).all() for n in norms)
+            loss.backward()
+        g2.append(o2.gain())
+        o2.step()
+    assert g1 == g2
+
+
+def test_gradient_penalty_in_the_loss_matches_hand_computed_estimate():
+    """(loss + λ|∇θ loss|²).backward(): one micro-batch per backward, estimate from its gradient."""
+    model = make_model()
+    opt = AdaScale(
+        torch.optim.SGD(model.parameters(), lr=0.0), num_gradients_to_accumulate=2, smoothing=0.0
+    )
+    data = batches(4)
+    micro = [next(data) for _ in range(2)]
+    params = list(model.parameters())
+
+    def penalised(batch):
+        loss = loss_of(model, batch)
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        return loss + 0.1 * sum(g.pow(2).sum() for g in grads)
+
+    # hand computation from the true micro-batch gradients of the penalised loss
+    flat = [
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(penalised(b), params)]) for b in micro
+    ]
+    local = sum(float(f.double().pow(2).sum()) for f in flat) / 2
+    total = float(((flat[0] + flat[1]) / 2).double().pow(2).sum())
+    sqr, var = (2 * total - local), (local - total) * 2 * (2 / 2)  # K=2, S=2: micro_scale 1
+    opt.zero_grad()
+    for b in micro:
+        (penalised(b) / 2).backward()
+    opt.step()
+    assert float(opt._state["grad_sqr_avg"][0]) == pytest.approx(max(sqr, 0.0), rel=1e-5)
+    assert float(opt._state["grad_var_avg"][0]) == pytest.approx(max(var, 1e-6), rel=1e-5)
+
+
+@pytest.mark.parametrize("how", ["model_none", "model_zero", "optim"])
+def test_extra_backward_then_zero_grad_is_forgotten(how):
+    m1, m2 = make_model(), make_model()
+    o1 = AdaScale(torch.optim.SGD(m1.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    o2 = AdaScale(torch.optim.SGD(m2.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    g1 = train(m1, o1, 12, 2)
+    data, probe, g2 = batches(1), batches(99), []
+    for _ in range(12):
+        loss_of(m2, next(probe)).backward()  # e.g. a saliency / diagnostic pass
+        if how == "model_none":
+            m2.zero_grad(set_to_none=True)
+        elif how == "model_zero":
+            m2.zero_grad(set_to_none=False)
+        else:
+            o2.zero_grad()
+        for _ in range(2):
+            (loss_of(m2, next(data)) / 2).backward()
+        g2.append(o2.gain())
+        o2.step()
+    np.testing.assert_allclose(g1, g2, rtol=1e-12)
+
+
+def test_wrong_number_of_backward_passes_is_a_clear_error():
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    data = batches(0)
+    for _ in range(3):
+        loss_of(model, next(data)).backward()
+    with pytest.raises(RuntimeError, match="saw 3 backward passes"):
+        opt.step()
+    opt.zero_grad()
+    opt.step()  # no backward at all: nothing to estimate, no error
+    assert opt.gain() == 1.0
+
+
+class _RecordingAdam(torch.optim.Adam):
+    def step(self, closure=None):
+        self.seen_lr = self.param_groups[0]["lr"]
+        return super().step(closure)
+
+
+class _RecordingAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        self.seen_lr = self.param_groups[0]["lr"]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls", [_RecordingAdam, _RecordingAdamW])
+def test_adaptive_optimizers_use_sqrt_gain(cls):
+    model = make_model()
+    inner = cls(model.parameters(), lr=1e-3)
+    opt = AdaScale(inner, num_gradients_to_accumulate=4)
+    data = batches(5)
+    for _ in range(10):
+        opt.zero_grad()
+        for _ in range(4):
+            (loss_of(model, next(data)) / 4).backward()
+        g = opt.gain()
+        opt.step()
+        assert g > 1.0
+        assert inner.seen_lr == pytest.approx(1e-3 * math.sqrt(g), rel=1e-12)
+        assert opt.lr_factor() == pytest.approx(math.sqrt(g))
+    forced = AdaScale(
+        cls(make_model().parameters(), lr=1e-3), num_gradients_to_accumulate=4, sqrt_lr=False
+    )
+    assert forced.lr_factor() == forced.gain()
+
+
+def test_save_load_replay_is_identical():
+    model = make_model()
+    opt = AdaScale(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), num_gradients_to_accumulate=3
+    )
+    train(model, opt, 10, 3, seed=11)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, buf)
+    gains_a = train(model, opt, 10, 3, seed=12)
+    params_a = params_of(model)
+
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model_b = make_model(seed=123)
+    opt_b = AdaScale(
+        torch.optim.SGD(model_b.parameters(), lr=0.1, momentum=0.9), num_gradients_to_accumulate=3
+    )
+    model_b.load_state_dict(ckpt["model"])
+    opt_b.load_state_dict(ckpt["optim"])
+    gains_b = train(model_b, opt_b, 10, 3, seed=12)
+    assert gains_a == gains_b
+    for a, b in zip(params_a, model_b.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_is_a_snapshot_and_loads_fairscale_numpy_state():
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    train(model, opt, 3, 2)
+    sd = opt.state_dict()
+    before = sd["state"]["adascale"]["grad_var_avg"].clone()
+    train(model, opt, 3, 2)
+    assert torch.equal(sd["state"]["adascale"]["grad_var_avg"], before)  # not aliased
+    fairscale_like = copy.deepcopy(sd)
+    fairscale_like["state"]["adascale"] = {
+        "grad_sqr_avg": np.array([2.0]),
+        "grad_var_avg": np.array([4.0]),
+        "grad_sqr_avg_biased": np.array([0.2]),
+        "grad_sqr_avg_unbias": np.array([0.1]),
+        "grad_var_avg_biased": np.array([0.4]),
+        "grad_var_avg_unbias": np.array([0.1]),
+    }
+    opt.load_state_dict(fairscale_like)
+    assert opt.gain() == pytest.approx((4 + 2) / (4 / 2 + 2))
+    with pytest.raises(ValueError, match="unknown AdaScale state"):
+        bad = copy.deepcopy(sd)
+        bad["state"]["adascale"]["nonsense"] = torch.zeros(1)
+        opt.load_state_dict(bad)
+
+
+def test_set_scale_rescales_the_variance_and_accumulation_setter():
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    train(model, opt, 8, 2)
+    var, sqr = float(opt._state["grad_var_avg"][0]), float(opt._state["grad_sqr_avg"][0])
+    opt.set_scale(4)
+    assert float(opt._state["grad_var_avg"][0]) == pytest.approx(var / 2)
+    assert opt.gain() == pytest.approx((var / 2 + sqr) / (var / 8 + sqr))
+    opt.set_scale(2)
+    assert float(opt._state["grad_var_avg"][0]) == pytest.approx(var)
+    with pytest.raises(ValueError, match="scale"):
+        opt.set_scale(0.5)
+    opt.set_num_gradients_to_accumulate(5)
+    assert opt.num_gradients_to_accumulate == 5 and opt.smoothing == pytest.approx(0.995)
+    opt.set_num_gradients_to_accumulate(3, update_smoothing=False)
+    assert opt.smoothing == pytest.approx(0.995)
+    with pytest.raises(RuntimeError, match="nothing to estimate"):
+        opt.set_num_gradients_to_accumulate(1)
+    opt.set_scale(3)
+    train(model, opt, 3, 3)  # the loop follows the new count
+
+
+def test_add_param_group_and_per_group_gains():
+    base = make_model()
+    extra = torch.nn.Linear(10, 10)
+    opt = AdaScale(torch.optim.SGD(base.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    train(base, opt, 4, 2)
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.01})
+    assert opt.gain(1) == 1.0 and opt._state["grad_sqr_avg"].numel() == 2
+    data = batches(8)
+    for _ in range(5):
+        opt.zero_grad()
+        for _ in range(2):
+            x, y = next(data)
+            (F.cross_entropy(extra(base(x)), y) / 2).backward()
+        seen = [opt.gain(0), opt.gain(1)]
+        before = params_of(extra)
+        grads = [p.grad.clone() for p in extra.parameters()]
+        opt.step()
+        for p0, p1, gr in zip(before, extra.parameters(), grads):
+            torch.testing.assert_close(p1.detach(), p0 - 0.01 * seen[1] * gr, rtol=1e-5, atol=1e-8)
+    assert opt.gain(1) != 1.0 and 1.0 <= opt.gain() <= 2.0
+
+
+def test_closure_equals_explicit_loop():
+    m1, m2 = make_model(), make_model()
+    o1 = AdaScale(torch.optim.SGD(m1.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    o2 = AdaScale(torch.optim.SGD(m2.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    train(m1, o1, 8, 2)
+    data = batches(1)
+    for _ in range(8):
+        micro = [next(data) for _ in range(2)]
+
+        def closure(micro=micro):
+            o2.zero_grad()
+            total = 0.0
+            for b in micro:
+                loss = loss_of(m2, b) / 2
+                loss.backward()
+                total += loss.item()
+            return total
+
+        assert isinstance(o2.step(closure), float)
+    assert o1.gain() == o2.gain()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_unhook_stops_the_statistics():
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    train(model, opt, 3, 2)
+    g = opt.gain()
+    opt.unhook()
+    train(model, opt, 3, 2)
+    assert opt.gain() == g
+
+
+# --------------------------------------------------------------------------------------------
+# Two gloo processes: both loop styles of the fairscale documentation, identical gains.
+
+
+def _seed_loops(rank, world_size, max_epochs, steps):
+    faulthandler.dump_traceback_later(220, exit=False)  # a hang shows where it is stuck
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    x, y = digits()
+    x, y = x[rank::world_size], y[rank::world_size]  # each replica its own shard
+    loader = [(x[i : i + 16], y[i : i + 16]) for i in range(0, 16 * 20, 16)]
+    out = {}
+
+    # Example 1: LambdaLR stepped by the epoch count of AdaScale's progress
+    optim = AdaScale(torch.optim.SGD(model.parameters(), lr=0.05))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda=lambda e: 0.5**e)
+    last_epoch, done, step, gains, lrs = 0, False, 0.0, [], []
+    while not done:
+        for batch in loader:
+            optim.zero_grad()
+            loss = loss_of(model, batch)
+            loss.backward()
+            step += optim.gain()
+            gains.append(optim.gain())
+            optim.step()
+            epoch = step // len(loader)
+            if epoch > last_epoch:
+                scheduler.step()
+                last_epoch = epoch
+            lrs.append(optim.param_groups[0]["lr"])
+            if epoch >= max_epochs:
+                done = True
+                break
+    out["ex1"] = (gains, lrs, step)
+
+    # Example 2: a custom update_lr(step)
+    def update_lr(progress):
+        for group in optim.param_groups:
+            group["lr"] = 0.05 / (1.0 + progress / 50.0)
+
+    optim = AdaScale(torch.optim.SGD(model.parameters(), lr=0.05))
+    step, gains, lrs = 0.0, [], []
+    while step < steps:
+        for batch in loader:
+            optim.zero_grad()
+            loss_of(model, batch).backward()
+            step += optim.gain()
+            gains.append(optim.gain())
+            optim.step()
+            update_lr(step)
+            lrs.append(optim.param_groups[0]["lr"])
+            if step >= steps:
+                break
+    out["ex2"] = (gains, lrs, step)
+    faulthandler.cancel_dump_traceback_later()
+    return out
+
+
+def test_seed_loop_styles_under_ddp_identical_gains_on_all_replicas():
+    res = spawn(_seed_loops, 2, args=(3, 60.0), timeout=240)
+    for key in ("ex1", "ex2"):
+        assert res[0][key] == res[1][key]  # bit-identical gains, lrs and progress
+    gains, lrs, step = res[0]["ex1"]
+    assert step // 20 >= 3 and all(1.0 <= g <= 2.0 for g in gains) and max(gains) > 1.0
+    assert lrs[-1] == pytest.approx(0.05 * 0.5**3)  # three scheduled epochs of progress
+    assert len(gains) < 3 * 20  # progress > 1 base step per step: fewer steps than 3 epochs
+    gains, lrs, step = res[0]["ex2"]
+    assert step >= 60.0 and lrs[-1] == pytest.approx(0.05 / (1 + step / 50))
