@@ -76,9 +76,18 @@ def _child(
         if init:
             import torch.distributed as dist
 
+            # The parent holds the store's listening socket (bound to port 0, so no other
+            # process can take the port between choosing and binding it); we are clients.
+            store = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                world_size,
+                is_master=False,
+                timeout=timedelta(seconds=pg_timeout),
+            )
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://127.0.0.1:{port}",
+                store=store,
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=pg_timeout),
@@ -127,7 +136,17 @@ def spawn(
     if start_method == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
     queue = ctx.Queue()
-    port = free_port()
+    store = None
+    if init:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+        port = store.port
+    else:
+        port = free_port()
     procs = [
         ctx.Process(
             target=_child,
@@ -196,3 +215,4 @@ def spawn(
                 p.kill()
                 p.join(timeout=5)
         queue.close()
+        del store
