@@ -174,7 +174,8 @@ def charlm_datasets(
         ids = encode(stdlib_text(max_chars, root))
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp.npy")
+            # A name unique to this process: replicas may build the same cache at once.
+            tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
             np.save(tmp, ids.numpy())
             os.replace(tmp, path)
     n_valid = int(round(valid_fraction * ids.numel()))
