@@ -1,0 +1,98 @@
+"""Scheduler benchmark: average JCT of each policy on the Pollux artifact's workloads.
+
+    python benchmarks/bench_sched.py [--workloads 1 3 5 6] [--policies waterfill tiresias ...]
+                                     [--load 1.0] [--traces DIR] [--json OUT.json]
+
+For every (workload, policy) it replays the full workload in our simulator and prints the
+average JCT, its ratio to the authors' stored figure for the same policy (fidelity) and to the
+stored Pollux figure (the target for our policy is <= 0.90), the policy's seconds per round
+and the wall time of the whole simulation. All figures of one table come from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+from adaptrain.cli.simulate import POLICIES, make_policy  # noqa: E402
+from adaptrain.sched.simulator import Simulator  # noqa: E402
+from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
+
+
+def stored_avg(data_dir: str, policy: str, load: str, workload: str) -> float | None:
+    path = os.path.join(data_dir, "results-jobload", f"{policy}-{load}", "summary.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)["avgs"].get(workload)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=["1", "3", "5", "6"])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    parser.add_argument("--load", default="1.0", choices=["0.5", "1.0", "1.5", "2.0"])
+    parser.add_argument("--traces", default=default_traces_dir())
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    if not args.traces:
+        parser.error("no traces found; pass --traces DIR")
+    data_dir = os.path.dirname(os.path.normpath(args.traces))
+    wdir = "workloads" if args.load == "1.0" else f"workloads-{args.load}"
+    apps = load_applications(args.traces)
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
+        f"python {platform.python_version()}"
+    )
+    header = (
+        f"{'workload':>10} {'policy':>10} {'avg JCT s':>10} {'stored s':>9} {'/stored':>8} "
+        f"{'/Pollux':>8} {'p99 s':>8} {'s/round':>9} {'wall s':>7}"
+    )
+    print(header)
+    rows = []
+    for wl in args.workloads:
+        name = f"workload-{wl}"
+        workload = load_workload(os.path.join(data_dir, wdir, f"{name}.csv"))
+        pollux = stored_avg(data_dir, "pollux", args.load, name)
+        for pol in args.policies:
+            t0 = time.perf_counter()
+            res = Simulator(workload, apps, make_policy(pol)).run()
+            wall = time.perf_counter() - t0
+            s = res.summary()
+            ref = stored_avg(data_dir, pol, args.load, name)
+            row = {
+                "workload": name,
+                "load": args.load,
+                "policy": pol,
+                "avg_jct": s["avg_jct"],
+                "stored_same_policy": ref,
+                "ratio_to_stored_same_policy": s["avg_jct"] / ref if ref else None,
+                "ratio_to_stored_pollux": s["avg_jct"] / pollux if pollux else None,
+                "p99_jct": s["p99_jct"],
+                "policy_s_per_round": s["policy_s_per_round"],
+                "wall_s": wall,
+            }
+            rows.append(row)
+            fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
+            print(
+                f"{name:>10} {pol:>10} {s['avg_jct']:10.1f} {fmt(ref, '9.1f'):>9} "
+                f"{fmt(row['ratio_to_stored_same_policy'], '8.3f'):>8} "
+                f"{fmt(row['ratio_to_stored_pollux'], '8.3f'):>8} {s['p99_jct']:8.0f} "
+                f"{s['policy_s_per_round']:9.4f} {wall:7.1f}",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

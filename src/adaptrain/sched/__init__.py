@@ -1,0 +1,31 @@
+"""Cluster scheduling: Pollux policy, Tiresias/Optimus baselines, our policy, and a simulator."""
+
+from .optimus import OptimusPolicy
+from .policy_base import Allocation, JobInfo, NodeInfo, Policy, check_allocations
+from .pollux import PolluxPolicy
+from .simulator import SimJob, SimResult, Simulator
+from .speedup import LinearSpeedup, SpeedupFunction
+from .tiresias import TiresiasPolicy
+from .traces import Application, WorkloadJob, load_applications, load_workload
+from .waterfill import WaterfillPolicy
+
+__all__ = [
+    "Allocation",
+    "Application",
+    "JobInfo",
+    "LinearSpeedup",
+    "NodeInfo",
+    "OptimusPolicy",
+    "Policy",
+    "PolluxPolicy",
+    "SimJob",
+    "SimResult",
+    "Simulator",
+    "SpeedupFunction",
+    "TiresiasPolicy",
+    "WaterfillPolicy",
+    "WorkloadJob",
+    "check_allocations",
+    "load_applications",
+    "load_workload",
+]

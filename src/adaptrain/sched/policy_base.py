@@ -1,0 +1,133 @@
+"""What a scheduling policy sees and returns.
+
+A policy maps (jobs' state, cluster, time) to an allocation: ``{job_key: [node_key, ...]}``
+with one node key per replica (a job with 3 replicas on node 2 and 1 on node 5 gets
+``[2, 2, 2, 5]``). Policies never touch the simulator; the simulator (and later the service)
+builds :class:`JobInfo`/:class:`NodeInfo` and calls :meth:`Policy.optimize`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = [
+    "Allocation",
+    "JobInfo",
+    "NodeInfo",
+    "Policy",
+    "check_allocations",
+    "pack_replicas",
+]
+
+Allocation = dict[str, list[int]]
+
+
+@dataclass
+class JobInfo:
+    """A job as a policy sees it (one GPU per replica).
+
+    ``speedup_fn(num_nodes, num_replicas)`` (numpy-vectorised) is the job's goodput relative to
+    one GPU; ``step_time_fn(num_replicas)`` (Optimus) predicts seconds per step at the job's
+    fixed batch size and ``remaining_steps`` how many steps it still needs.
+    ``remaining_work`` is the job's own estimate of the seconds it still needs on one GPU
+    (remaining epochs x examples, over its modelled one-GPU goodput), ``None`` if unknown.
+    """
+
+    creation_timestamp: float
+    attained_service: float = 0.0
+    min_replicas: int = 0
+    max_replicas: int = 1
+    speedup_fn: Callable[..., Any] | None = None
+    preemptible: bool = True
+    num_restarts: int = 0
+    age: float = 0.0
+    step_time_fn: Callable[[int], float] | None = None
+    remaining_steps: float = 1.0
+    remaining_work: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.max_replicas < 1:
+            raise ValueError(f"max_replicas={self.max_replicas} must be >= 1")
+        if not 0 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"min_replicas={self.min_replicas} must lie in [0, max_replicas={self.max_replicas}]"
+            )
+
+
+@dataclass
+class NodeInfo:
+    """A node with ``gpus`` free GPUs."""
+
+    gpus: int
+    preemptible: bool = False
+
+
+class Policy(Protocol):
+    """``optimize(jobs, nodes, base_allocations, time) -> allocations``."""
+
+    name: str
+
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[int, NodeInfo],
+        base_allocations: Mapping[str, list[int]],
+        time: float,
+    ) -> Allocation: ...
+
+
+def pack_replicas(
+    num_replicas: int, free_gpus: collections.Counter, node_order: list[int] | None = None
+) -> list[int]:
+    """Place replicas greedily on the node with most free GPUs (ties: lowest key first).
+
+    This is the placement of the artifact's Tiresias and Optimus (``Counter.most_common``);
+    ``free_gpus`` is updated in place.
+    """
+    alloc: list[int] = []
+    while len(alloc) < num_replicas:
+        node, count = max(free_gpus.items(), key=lambda kv: kv[1])  # first max in order
+        if count <= 0:
+            raise RuntimeError(f"no free GPU left to place {num_replicas} replicas")
+        num = min(count, num_replicas - len(alloc))
+        alloc.extend([node] * num)
+        free_gpus[node] -= num
+    return alloc
+
+
+def check_allocations(
+    allocations: Mapping[str, list[int]],
+    jobs: Mapping[str, JobInfo],
+    nodes: Mapping[int, NodeInfo],
+    *,
+    interference: bool = False,
+) -> None:
+    """Raise ``RuntimeError`` if allocations break capacity, replica bounds or (optionally)
+    interference avoidance (at most one multi-node job per node)."""
+    used: collections.Counter = collections.Counter()
+    multi: collections.Counter = collections.Counter()
+    for key, alloc in allocations.items():
+        if key not in jobs:
+            raise RuntimeError(f"allocation for unknown job {key!r}")
+        n = len(alloc)
+        job = jobs[key]
+        if n and not job.min_replicas <= n <= job.max_replicas:
+            raise RuntimeError(
+                f"job {key!r} got {n} replicas outside [{job.min_replicas}, {job.max_replicas}]"
+            )
+        used.update(alloc)
+        if len(set(alloc)) > 1:
+            multi.update(set(alloc))
+    for node, count in used.items():
+        if node not in nodes:
+            raise RuntimeError(f"allocation on unknown node {node!r}")
+        if count > nodes[node].gpus:
+            raise RuntimeError(f"node {node} over capacity: {count} > {nodes[node].gpus}")
+    if interference:
+        bad = [n for n, c in multi.items() if c > 1]
+        if bad:
+            raise RuntimeError(f"nodes {bad} host more than one multi-node job")

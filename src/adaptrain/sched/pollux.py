@@ -1,0 +1,353 @@
+"""Pollux's cluster-wide goodput policy: a vectorised genetic search over allocations.
+
+Qiao et al., "Pollux: Co-adaptive Cluster Scheduling for Goodput-Optimized Deep Learning",
+OSDI'21, Sec. 4.2. A candidate is a (jobs x nodes) matrix ``A`` of replica counts. Its fitness is
+the power mean (p = -1) of the jobs' speedups
+
+    FITNESS_p(A) = ( 1/J * sum_j (s_j(A_j) + 1e-3)^p )^(1/p),
+
+where ``s_j`` is job j's speedup over a fair share (one node, ``ceil(GPUs / J)`` replicas),
+scaled by the job's dominant share x number of nodes, and multiplied by the restart penalty
+``max(age - 30 * restarts, 0) / (age + 30)`` when ``A_j`` differs from the current allocation.
+As in the artifact, the search is two-objective (fitness and cluster utility) with NSGA-II
+survival, single-point crossover over jobs, three mutations (reset a job to its current
+allocation, zero some entries, increase some entries on nodes with free GPUs) and a repair step
+enforcing interference avoidance (at most one multi-node job per node), per-job maximum
+replicas, node capacity (jobs with least attained service first) and minimum replicas. The
+final population warm-starts the next round. The returned allocation maximises the fitness.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from .policy_base import Allocation, JobInfo, NodeInfo
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PolluxPolicy", "nondominated_ranks"]
+
+
+def nondominated_ranks(F: np.ndarray) -> np.ndarray:
+    """Pareto rank (0 = non-dominated) of each row of the (n, 2) array ``F`` (minimised).
+
+    Sort by (f0, f1); each point joins the first front none of whose members dominates it. In
+    that order a front's smallest f1 never exceeds the next front's, so a bisection finds it.
+    """
+    import bisect
+
+    F = np.asarray(F, dtype=np.float64)
+    if F.ndim != 2 or F.shape[1] != 2:
+        raise ValueError(f"expected an (n, 2) objective array, got shape {F.shape}")
+    order = np.lexsort((F[:, 1], F[:, 0]))
+    rank = np.empty(len(F), dtype=np.int64)
+    mins: list[float] = []  # smallest f1 of each front
+    f0_at_min: list[float] = []  # smallest f0 among that front's members attaining it
+    for i in order.tolist():
+        f0, f1 = F[i, 0], F[i, 1]
+        k = bisect.bisect_left(mins, f1)
+        while k < len(mins) and mins[k] == f1 and f0_at_min[k] < f0:
+            k += 1
+        if k == len(mins):
+            mins.append(f1)
+            f0_at_min.append(f0)
+        elif f1 < mins[k]:
+            mins[k] = f1
+            f0_at_min[k] = f0
+        rank[i] = k
+    return rank
+
+
+def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """NSGA-II crowding distance within each front (boundary points: infinity)."""
+    dist = np.zeros(len(F))
+    for m in range(F.shape[1]):
+        order = np.lexsort((F[:, m], rank))
+        r, f = rank[order], F[order, m]
+        lo = np.ones(len(F), dtype=bool)
+        hi = np.ones(len(F), dtype=bool)
+        lo[1:] = r[1:] != r[:-1]  # first of its front
+        hi[:-1] = r[:-1] != r[1:]  # last of its front
+        fmin = np.minimum.reduceat(f, np.flatnonzero(lo))
+        fmax = np.maximum.reduceat(f, np.flatnonzero(lo))
+        front_id = np.cumsum(lo) - 1
+        span = (fmax - fmin)[front_id]
+        d = np.zeros(len(F))
+        inner = ~(lo | hi)
+        idx = np.flatnonzero(inner)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            d[idx] = np.where(span[idx] > 0, (f[idx + 1] - f[idx - 1]) / span[idx], 0.0)
+        d[lo | hi] = np.inf
+        dist[order] += d
+    return dist
+
+
+class PolluxPolicy:
+    """Genetic-algorithm Pollux policy (``pop_size`` x ``generations`` per round)."""
+
+    name = "pollux"
+
+    def __init__(
+        self,
+        pop_size: int = 100,
+        generations: int = 100,
+        restart_delay: float = 30.0,
+        p: float = -1.0,
+        interference_avoidance: bool = True,
+        max_nodes_per_job: int = 16,
+        seed: int | None = 0,
+    ) -> None:
+        if pop_size < 2 or generations < 1:
+            raise ValueError(f"pop_size={pop_size} must be >= 2 and generations={generations} >= 1")
+        self.pop_size = pop_size
+        self.generations = generations
+        self.restart_delay = restart_delay
+        self.p = p
+        self.interference_avoidance = interference_avoidance
+        self.max_nodes_per_job = max_nodes_per_job
+        self.rng = np.random.default_rng(seed)
+        self._prev_states: np.ndarray | None = None
+        self._prev_jobs: list[str] = []
+        self._prev_nodes: list[int] = []
+
+    def state_dict(self) -> dict:
+        """Warm-start population, its job/node keys and the generator state."""
+        return {
+            "prev_states": None if self._prev_states is None else self._prev_states.copy(),
+            "prev_jobs": list(self._prev_jobs),
+            "prev_nodes": list(self._prev_nodes),
+            "rng": self.rng.bit_generator.state,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        prev = state["prev_states"]
+        self._prev_states = None if prev is None else np.array(prev, dtype=np.int64)
+        self._prev_jobs = list(state["prev_jobs"])
+        self._prev_nodes = list(state["prev_nodes"])
+        self.rng.bit_generator.state = state["rng"]
+
+    # ---- problem setup ----------------------------------------------------------------------
+    def _setup(self, jobs: list[JobInfo], nodes: list[NodeInfo]) -> None:
+        J, N = len(jobs), len(nodes)
+        self._cap = np.array([n.gpus for n in nodes], dtype=np.int64)
+        total = int(self._cap.sum())
+        self._share = 1.0 / total  # dominant share of one replica (one GPU)
+        fair_replicas = math.ceil(1.0 / self._share / J)
+        fair_nodes = math.ceil(N * self._share)
+        self._max_rep = np.array([j.max_replicas for j in jobs], dtype=np.int64)
+        self._min_rep = np.array([j.min_replicas for j in jobs], dtype=np.int64)
+        rmax = int(min(self._max_rep.max(initial=1), total))
+        nmax = min(N, self.max_nodes_per_job, rmax)
+        # Speedup tables S[j, n, r] (rebased to the fair share), 0 where n > r.
+        n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
+        valid = (n_grid >= 1) & (n_grid <= r_grid)
+        table = np.zeros((J, nmax + 1, rmax + 1))
+        for j, job in enumerate(jobs):
+            fn = job.speedup_fn
+            if fn is None:
+                fn_r = None
+            elif hasattr(fn, "rebased"):
+                fn_r = fn.rebased(fair_nodes, fair_replicas)
+            else:
+                fn_r = fn
+            ok = valid & (r_grid <= job.max_replicas)
+            if fn_r is None:
+                table[j][ok] = r_grid[ok] / fair_replicas
+            else:
+                table[j][ok] = fn_r(n_grid[ok], r_grid[ok])
+        self._table = table
+        self._nmax, self._rmax = nmax, rmax
+        self._scale = self._share * N
+        restarts = np.array([j.num_restarts for j in jobs], dtype=np.float64)
+        age = np.array([j.age for j in jobs], dtype=np.float64)
+        d = self.restart_delay
+        self._restart_factor = np.maximum(age - restarts * d, 0.0) / (age + d)
+
+    def _speedups(self, states: np.ndarray) -> np.ndarray:
+        n = np.minimum(np.count_nonzero(states, axis=2), self._nmax)
+        r = np.minimum(states.sum(axis=2), self._rmax)
+        return self._table[np.arange(states.shape[1])[None, :], n, r]
+
+    def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        speedups = self._speedups(states)
+        scaled = speedups * self._scale
+        restart = np.any(states != base[None], axis=2)
+        scaled = scaled * np.where(restart, self._restart_factor[None], 1.0)
+        p = self.p
+        J = states.shape[1]
+        if p == 0:
+            mean = np.exp(np.log(np.maximum(scaled, 1e-3)).sum(axis=1) / J)
+        else:
+            mean = (((scaled + 1e-3) ** p).sum(axis=1) / J) ** (1.0 / p)
+        return np.column_stack([-mean, -self._utilities(states, speedups)])
+
+    def _utilities(self, states: np.ndarray, speedups: np.ndarray) -> np.ndarray:
+        reps = states.sum(axis=2)
+        active = states.sum(axis=1) > 0
+        total = (active * self._cap[None]).sum(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            shares = np.where(reps > 0, reps / total, 0.0)
+            util = np.where(reps > 0, speedups / reps, 0.0)
+        return (util * shares).sum(axis=1)
+
+    # ---- genetic operators ------------------------------------------------------------------
+    def _crossover(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        m, J, _ = a.shape
+        points = self.rng.integers(J, size=(m, 1))
+        mask = (np.arange(J)[None, :] < points) & (self.rng.random((m, 1)) < 0.9)
+        mask = mask[:, :, None]
+        return np.where(mask, b, a), np.where(mask, a, b)
+
+    def _mutation(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        rng = self.rng
+        P, J, N = states.shape
+        reset = rng.random((P, J)) < 0.1
+        states = np.where(reset[:, :, None], base[None], states)
+        prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
+        states = np.where(rng.random(states.shape) < prob[:, :, None], 0, states)
+        free = self._cap[None] - states.sum(axis=1)  # (P, N)
+        mask1 = np.broadcast_to((free >= 1)[:, None, :], states.shape)
+        prob1 = mask1 / np.maximum(mask1.sum(axis=1, keepdims=True), 1)
+        mask2 = (states > 0) & mask1
+        prob2 = mask2 / np.maximum(mask2.sum(axis=1, keepdims=True), 1)
+        m = rng.random(states.shape) < prob1 + prob2 - prob1 * prob2
+        hi = np.broadcast_to(self._cap[None, None, :], states.shape)
+        r = rng.integers(np.minimum(states, hi), hi + 1)
+        return np.where(m, r, states)
+
+    def _repair(self, states: np.ndarray) -> np.ndarray:
+        rng = self.rng
+        states = states.copy()
+        if self.interference_avoidance:
+            distributed = np.count_nonzero(states, axis=2) > 1
+            mask = (states > 0) & distributed[:, :, None]
+            mask = np.cumsum(mask, axis=1) > 1
+            states[mask] = 0
+        # Max replicas per job and max nodes per job, filling nodes in a random order.
+        shuffle = np.argsort(rng.random(states.shape), axis=2)
+        st = np.take_along_axis(states, shuffle, axis=2)
+        st = np.minimum(np.cumsum(st, axis=2), self._max_rep[None, :, None])
+        st = np.diff(st, axis=2, prepend=0)
+        keep = np.diff(
+            np.minimum(np.cumsum(st > 0, axis=2), self.max_nodes_per_job), axis=2, prepend=0
+        )
+        st[keep == 0] = 0
+        states = np.take_along_axis(st, np.argsort(shuffle, axis=2), axis=2)
+        # Node capacity: jobs earlier in priority order keep their replicas.
+        st = np.minimum(np.cumsum(states, axis=1), self._cap[None, None, :])
+        states = np.diff(st, axis=1, prepend=0)
+        below = states.sum(axis=2) < self._min_rep[None, :]
+        states[below] = 0
+        return states
+
+    @staticmethod
+    def _dedupe(pop: np.ndarray, off: np.ndarray) -> np.ndarray:
+        flat_pop = {row.tobytes() for row in pop.reshape(len(pop), -1)}
+        keep, seen = [], set()
+        for i, row in enumerate(off.reshape(len(off), -1)):
+            key = row.tobytes()
+            if key in flat_pop or key in seen:
+                continue
+            seen.add(key)
+            keep.append(i)
+        return off[keep]
+
+    # ---- main entry -------------------------------------------------------------------------
+    def optimize(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[int, NodeInfo],
+        base_allocations: Mapping[str, list[int]],
+        time: float,
+    ) -> Allocation:
+        """One Pollux round: allocations maximising the fitness found by the genetic search."""
+        if not jobs:
+            return {}
+        job_keys = sorted(
+            jobs,
+            key=lambda k: (
+                not (not jobs[k].preemptible and base_allocations.get(k)),
+                jobs[k].attained_service,
+                jobs[k].creation_timestamp,
+            ),
+        )
+        node_keys = sorted(nodes, key=lambda k: (nodes[k].preemptible, k))
+        J, N = len(job_keys), len(node_keys)
+        jidx = {k: i for i, k in enumerate(job_keys)}
+        nidx = {k: i for i, k in enumerate(node_keys)}
+        base = np.zeros((J, N), dtype=np.int64)
+        for key, alloc in base_allocations.items():
+            if key in jidx:
+                for node in alloc:
+                    if node in nidx:
+                        base[jidx[key], nidx[node]] += 1
+        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
+        if self._prev_states is None:
+            pop = base[None].copy()
+        else:
+            pop = self._adapt_prev(job_keys, node_keys)
+        pop = self._repair(pop)
+        F = self._evaluate(pop, base)
+        rank = nondominated_ranks(F)
+        crowd = _crowding(F, rank)
+        for _ in range(self.generations):
+            pop, F, rank, crowd = self._generation(pop, F, rank, crowd, base)
+        self._prev_states = pop.copy()
+        self._prev_jobs = list(job_keys)
+        self._prev_nodes = list(node_keys)
+        front = np.flatnonzero(nondominated_ranks(F) == 0)
+        best = front[np.argmin(F[front, 0])]
+        state = pop[best]
+        allocations: Allocation = {}
+        for j, key in enumerate(job_keys):
+            alloc: list[int] = []
+            for n, node in enumerate(node_keys):
+                alloc.extend([node] * int(state[j, n]))
+            allocations[key] = alloc
+        return allocations
+
+    def _generation(self, pop, F, rank, crowd, base: np.ndarray):
+        rng = self.rng
+        n_mate = max(1, self.pop_size // 2)
+
+        def tournament(size: int) -> np.ndarray:
+            a = rng.integers(len(pop), size=size)
+            b = rng.integers(len(pop), size=size)
+            better_b = (rank[b] < rank[a]) | ((rank[b] == rank[a]) & (crowd[b] > crowd[a]))
+            return np.where(better_b, b, a)
+
+        off = np.empty((0, *pop.shape[1:]), dtype=pop.dtype)
+        for _ in range(5):  # refill if duplicates were dropped
+            c1, c2 = self._crossover(pop[tournament(n_mate)], pop[tournament(n_mate)])
+            new = np.concatenate([c1, c2])
+            new = self._repair(self._mutation(new, base))
+            off = np.concatenate([off, self._dedupe(np.concatenate([pop, off]), new)])
+            if len(off) >= self.pop_size:
+                break
+        off = off[: self.pop_size]
+        if len(off) == 0:
+            return pop, F, rank, crowd
+        merged = np.concatenate([pop, off])
+        Fm = np.concatenate([F, self._evaluate(off, base)])
+        rank = nondominated_ranks(Fm)
+        crowd = _crowding(Fm, rank)
+        order = np.lexsort((-crowd, rank))[: self.pop_size]
+        pop, F = merged[order], Fm[order]
+        rank = nondominated_ranks(F)
+        return pop, F, rank, _crowding(F, rank)
+
+    def _adapt_prev(self, job_keys: list[str], node_keys: list[int]) -> np.ndarray:
+        prev = self._prev_states
+        states = np.zeros((len(prev), len(job_keys), len(node_keys)), dtype=np.int64)
+        prev_j = {k: i for i, k in enumerate(self._prev_jobs)}
+        prev_n = {k: i for i, k in enumerate(self._prev_nodes)}
+        dst = [i for i, k in enumerate(job_keys) if k in prev_j]
+        src = [prev_j[job_keys[i]] for i in dst]
+        for n, key in enumerate(node_keys):
+            if key in prev_n:
+                states[:, dst, n] = prev[:, src, prev_n[key]]
+        return states

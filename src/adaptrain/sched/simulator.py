@@ -1,0 +1,493 @@
+"""Trace-driven cluster simulator with the semantics of the Pollux OSDI'21 artifact.
+
+Every ``interval`` seconds: (1) each job advances through its measured profile: a reallocated
+job first waits ``restart_delay`` seconds (checkpoint-restart), then makes statistical progress
+at ``gain / step_time`` per second where ``gain = (var + sqr) / (var / s + sqr)`` (``s`` = batch
+size over the initial one, ``sqr``/``var`` from ``validation-<bsz>.csv`` for the current epoch) and
+``step_time`` comes from the placement traces (with gradient accumulation
+``step + accum_steps * (step - sync)``); crossing the progress recorded at the end of an epoch
+moves to the next epoch; finishing the last epoch completes the job; (2) the policy sees every
+submitted, unfinished job and returns an allocation; changed allocations restart their job.
+
+Adaptive jobs (no fixed batch size) learn their goodput model online exactly like AdaptDL: each
+newly observed (nodes, replicas, local batch) configuration is added to a profile to which
+``fit_perf_params`` is refitted, and between epochs the batch size is re-optimised with
+``GoodputFunction.optimize``. JCT = completion time - submission time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time as _time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .policy_base import Allocation, JobInfo, NodeInfo, check_allocations
+from .speedup import LinearSpeedup, SpeedupFunction
+from .traces import Application, WorkloadJob
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SimJob", "SimResult", "Simulator", "job_kind_for_policy"]
+
+# profile (sorted items) -> fitted PerfParams, shared by all jobs and simulations
+_FIT_CACHE: dict[tuple, object] = {}
+
+
+def job_kind_for_policy(policy_name: str) -> str:
+    """Which workload columns a policy's jobs use: 'fixed' (replicas + batch size, Tiresias),
+    'batch' (batch size only, Optimus) or 'adaptive' (neither: Pollux and ours)."""
+    return {"tiresias": "fixed", "optimus": "batch"}.get(policy_name, "adaptive")
+
+
+class SimJob:
+    """One training job replayed from its application's traces."""
+
+    def __init__(
+        self,
+        name: str,
+        app: Application,
+        submission_time: float,
+        *,
+        target_num_replicas: int | None = None,
+        target_batch_size: int | None = None,
+        adaptive: bool = False,
+        restart_delay: float = 30.0,
+    ) -> None:
+        self.name = name
+        self.app = app
+        self.submission_time = submission_time
+        self.target_num_replicas = target_num_replicas
+        self.target_batch_size = target_batch_size
+        self.adaptive = adaptive  # learns a goodput model (needed by goodput-based policies)
+        self.restart_delay = restart_delay
+        self.completion_time: float | None = None
+        self.current_time = 0.0
+        self.rescale_time = 0.0
+        self.placement: tuple[int, ...] = ()
+        self.atomic_bsz = 0
+        self.accum_steps = 0
+        self.profile: dict[tuple[int, int, int], tuple[float, float]] = {}
+        self.perf_params = None
+        self.grad_params: tuple[float, float] | None = None
+        self.progress = 0.0
+        self.epoch = 0
+        self.attained_service = 0.0
+        self.num_restarts: int | None = None
+        self._speedup_cache: tuple | None = None
+
+    # ---- goodput model ----------------------------------------------------------------------
+    @property
+    def max_profiled_replicas(self) -> int:
+        return max((k[1] for k in self.profile), default=0)
+
+    def goodput_fn(self):
+        from adaptrain.core.goodput import GoodputFunction
+
+        return GoodputFunction(self.perf_params, self.grad_params, self.app.init_batch_size)
+
+    def speedup_fn(self):
+        """Speedup over one GPU from the learned goodput model (``r`` before any profile)."""
+        if self.perf_params is None:
+            return LinearSpeedup()
+        key = (tuple(self.perf_params), tuple(self.grad_params))
+        if self._speedup_cache is None or self._speedup_cache[0] != key:
+            app = self.app
+            fn = SpeedupFunction(
+                self.goodput_fn(),
+                max_batch_size=app.max_batch_size,
+                atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
+                accumulation=True,
+            )
+            self._speedup_cache = (key, fn)
+        return self._speedup_cache[1]
+
+    def update_local_bsz(self, placement: Sequence[int]) -> None:
+        app = self.app
+        placement = tuple(p for p in placement if p)
+        num_nodes, num_replicas = len(placement), sum(placement)
+        batch_size = self.target_batch_size
+        if batch_size is None and self.perf_params is None:
+            batch_size = max(app.init_batch_size, app.min_local_bsz * num_replicas)
+        if batch_size is None:
+            _, atomic, accum = self.goodput_fn().optimize(
+                num_nodes,
+                num_replicas,
+                max_batch_size=app.max_batch_size,
+                atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
+                accumulation=True,
+            )
+            self.atomic_bsz, self.accum_steps = int(atomic), int(accum)
+        else:
+            local_bsz = math.ceil(batch_size / num_replicas - 1e-8)
+            self.accum_steps = math.ceil(local_bsz / app.max_local_bsz - 1e-8) - 1
+            if num_replicas == 1 and batch_size > app.init_batch_size:
+                self.accum_steps = max(1, self.accum_steps)
+            self.atomic_bsz = math.ceil(local_bsz / (self.accum_steps + 1) - 1e-8)
+        count = num_replicas * (self.accum_steps + 1)
+        self.atomic_bsz = min(self.atomic_bsz, int(app.max_batch_size / count))
+
+    def update_params(self, num_nodes, num_replicas, local_bsz, step_time, sync_time, sqr, var):
+        self.grad_params = (sqr, var)
+        if not self.adaptive or (num_nodes, num_replicas, local_bsz) in self.profile:
+            return
+        from adaptrain.core.goodput import fit_perf_params
+
+        self.profile[num_nodes, num_replicas, local_bsz] = (step_time, sync_time)
+        # The fit is a pure function of the profile; jobs of one model often share profiles.
+        cache_key = tuple(sorted(self.profile.items()))
+        cached = _FIT_CACHE.get(cache_key)
+        if cached is not None:
+            self.perf_params = cached
+            return
+        keys = list(self.profile)
+        vals = list(self.profile.values())
+        step = np.array([v[0] for v in vals])
+        sync = np.array([v[1] for v in vals])
+        self.perf_params = fit_perf_params(
+            np.array([k[0] for k in keys]),
+            np.array([k[1] for k in keys]),
+            np.array([k[2] for k in keys]),
+            step - sync,
+            step,
+        )
+        if len(_FIT_CACHE) > 200_000:
+            _FIT_CACHE.clear()
+        _FIT_CACHE[cache_key] = self.perf_params
+
+    # ---- dynamics ---------------------------------------------------------------------------
+    def step(self, seconds: float, interference: float = 0.0) -> None:
+        """Advance ``seconds`` of wall time on the current placement."""
+        if not self.placement:
+            self.current_time += seconds
+            return
+        replicas_total = sum(self.placement)
+        delay = min(self.rescale_time, seconds)
+        self.current_time += delay
+        self.attained_service += delay * replicas_total
+        self.rescale_time -= delay
+        seconds -= delay
+        app = self.app
+        while seconds > 0 and self.completion_time is None:
+            placement = tuple(p for p in self.placement if p)
+            num_nodes, num_replicas = len(placement), sum(placement)
+            batch_size = num_replicas * self.atomic_bsz * (self.accum_steps + 1)
+            scale = batch_size / app.init_batch_size
+            step_time, sync_time = app.get_throughput(placement, self.atomic_bsz)
+            accum_time = step_time - sync_time
+            sqr, var = app.get_grad_stats(batch_size, self.epoch)
+            gain = (var + sqr) / (var / scale + sqr)
+            self.update_params(
+                num_nodes, num_replicas, self.atomic_bsz, step_time, sync_time, sqr, var
+            )
+            total_time = step_time + accum_time * self.accum_steps
+            goodput = gain / total_time * (1.0 - interference)
+            next_progress = app.get_progress(self.epoch + 1)
+            if self.progress + goodput * seconds < next_progress:
+                self.progress += goodput * seconds
+                self.current_time += seconds
+                self.attained_service += seconds * replicas_total
+                seconds = 0
+            else:
+                self.epoch += 1
+                delta = round(float((next_progress - self.progress) / goodput))
+                if self.epoch > app.get_completion_epoch(batch_size):
+                    self.completion_time = self.current_time + delta
+                self.progress = next_progress
+                self.current_time += delta
+                self.attained_service += delta * replicas_total
+                seconds -= delta
+            self.update_local_bsz(self.placement)
+        self.current_time += seconds
+
+    def reallocate(self, placement: Sequence[int]) -> None:
+        if placement:
+            self.placement = tuple(placement)
+            self.update_local_bsz(self.placement)
+            self.rescale_time = self.restart_delay
+            self.num_restarts = 0 if self.num_restarts is None else self.num_restarts + 1
+        else:
+            self.placement = ()
+            self.atomic_bsz = 0
+
+    def remaining_work(self) -> float | None:
+        """Estimated seconds left on one GPU: remaining statistical progress (known from the
+        remaining epochs) over the goodput the job's own model predicts on one GPU."""
+        if self.perf_params is None:
+            return None
+        left = self.app.get_progress(self.app.max_epochs) - self.progress
+        rate = self.speedup_fn().base_goodput / self.app.init_batch_size
+        return max(left, 0.0) / rate if rate > 0 else None
+
+    def remaining_steps(self) -> float:
+        """Steps left at the fixed batch size (Optimus's estimate)."""
+        app, bsz = self.app, self.target_batch_size
+        done = app.get_completion_epoch(bsz)
+        if done <= self.epoch:
+            return 1.0
+        return app.get_iteration(bsz, done) - app.get_iteration(bsz, self.epoch)
+
+    def step_time_fn(self) -> Callable[[int], float]:
+        """Seconds per step at the fixed batch size on ``r`` packed replicas (Optimus)."""
+        app, bsz = self.app, self.target_batch_size
+
+        def fn(r: int) -> float:
+            placement: tuple[int, ...] = ()
+            while sum(placement) < r:
+                placement = (*placement, min(r - sum(placement), 4))
+            local = math.ceil(bsz / r - 1e-8)
+            accum = math.ceil(local / app.max_local_bsz - 1e-8) - 1
+            if r == 1:
+                accum = max(1, accum)
+            atomic = math.ceil(local / (accum + 1) - 1e-8)
+            atomic = min(atomic, int(app.max_batch_size / (r * (accum + 1))))
+            step, sync = app.get_throughput(placement, atomic)
+            return step + (step - sync) * accum
+
+        return fn
+
+
+@dataclass
+class SimResult:
+    """Outcome of one simulation."""
+
+    jcts: dict[str, float]
+    makespan: float
+    gpu_utilization: float
+    policy_seconds: list[float]
+    timeline: list[dict] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def avg_jct(self) -> float:
+        return float(np.mean(list(self.jcts.values()))) if self.jcts else float("nan")
+
+    def percentile_jct(self, q: float) -> float:
+        return float(np.percentile(list(self.jcts.values()), q)) if self.jcts else float("nan")
+
+    @property
+    def policy_s_per_round(self) -> float:
+        return float(np.mean(self.policy_seconds)) if self.policy_seconds else 0.0
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "avg_jct": self.avg_jct,
+            "p50_jct": self.percentile_jct(50),
+            "p99_jct": self.percentile_jct(99),
+            "makespan": self.makespan,
+            "gpu_utilization": self.gpu_utilization,
+            "policy_s_per_round": self.policy_s_per_round,
+            "rounds": len(self.policy_seconds),
+            "avg_restarts": float(np.mean(list(self.restarts.values()))) if self.restarts else 0.0,
+            "num_jobs": len(self.jcts),
+        }
+
+
+class Simulator:
+    """A cluster of ``num_nodes`` x ``gpus_per_node`` GPUs replaying a workload under a policy."""
+
+    def __init__(
+        self,
+        workload: Sequence[WorkloadJob],
+        applications: Mapping[str, Application],
+        policy,
+        *,
+        num_nodes: int = 16,
+        gpus_per_node: int = 4,
+        interval: float = 60.0,
+        restart_delay: float = 30.0,
+        interference: float = 0.0,
+        check: bool = True,
+        record_timeline: bool = False,
+    ) -> None:
+        if interval <= 0:
+            raise ValueError(f"interval={interval} must be > 0 seconds")
+        if num_nodes < 1 or gpus_per_node < 1:
+            raise ValueError(f"cluster {num_nodes}x{gpus_per_node} must have >= 1 GPU")
+        self.policy = policy
+        self.kind = job_kind_for_policy(getattr(policy, "name", ""))
+        self.num_nodes = num_nodes
+        self.gpus_per_node = gpus_per_node
+        self.interval = interval
+        self.interference = interference
+        self.check = check
+        self.record_timeline = record_timeline
+        self.current_time = 0.0
+        self.jobs: list[SimJob] = []
+        for w in workload:
+            if w.application not in applications:
+                raise ValueError(
+                    f"job {w.name!r} uses application {w.application!r}; known: {sorted(applications)}"
+                )
+            app = applications[w.application]
+            kw: dict = {"restart_delay": restart_delay}
+            if self.kind == "fixed":
+                kw.update(target_num_replicas=w.num_replicas, target_batch_size=w.batch_size)
+            elif self.kind == "batch":
+                kw.update(target_batch_size=w.batch_size)
+            else:
+                kw.update(adaptive=True)
+                if app.name == "ncf":  # as in the artifact: ncf runs at a fixed batch size
+                    kw.update(target_batch_size=32768)
+            self.jobs.append(SimJob(w.name, app, w.time, **kw))
+        self.allocations: Allocation = {}
+        self.policy_seconds: list[float] = []
+        self.used_gpu_rounds: list[int] = []
+        self.timeline: list[dict] = []
+
+    def node_infos(self) -> dict[int, NodeInfo]:
+        return {i: NodeInfo(self.gpus_per_node) for i in range(self.num_nodes)}
+
+    def job_info(self, job: SimJob) -> JobInfo:
+        app = self.app_limits(job)
+        if self.kind == "fixed":
+            return JobInfo(
+                creation_timestamp=job.submission_time,
+                attained_service=job.attained_service,
+                max_replicas=job.target_num_replicas,
+            )
+        if self.kind == "batch":
+            return JobInfo(
+                creation_timestamp=job.submission_time,
+                attained_service=job.attained_service,
+                max_replicas=1 if job.app.name == "ncf" else app["batch_max_replicas"],
+                step_time_fn=job.step_time_fn(),
+                remaining_steps=job.remaining_steps(),
+            )
+        max_replicas = min(
+            max(2 * job.max_profiled_replicas, 1),
+            self.num_nodes * self.gpus_per_node,
+            job.app.max_batch_size // job.app.min_local_bsz,
+        )
+        if job.app.name == "ncf":
+            max_replicas = 1
+        return JobInfo(
+            creation_timestamp=job.submission_time,
+            attained_service=job.attained_service,
+            max_replicas=max_replicas,
+            speedup_fn=job.speedup_fn(),
+            remaining_work=job.remaining_work(),
+            num_restarts=job.num_restarts or 0,
+            age=self.current_time - job.submission_time,
+            extra={"application": job.app.name, "epoch": job.epoch},
+        )
+
+    @staticmethod
+    def app_limits(job: SimJob) -> dict:
+        if job.target_batch_size is None:
+            return {}
+        return {"batch_max_replicas": max(1, job.target_batch_size // job.app.min_local_bsz)}
+
+    def active_jobs(self) -> list[SimJob]:
+        return [
+            j
+            for j in self.jobs
+            if self.current_time >= j.submission_time and j.completion_time is None
+        ]
+
+    def step(self) -> None:
+        """One scheduling round: advance jobs by ``interval``, then re-run the policy."""
+        seconds = self.interval
+        interfere_nodes: set[int] = set()
+        if self.interference:
+            count: dict[int, int] = {}
+            for alloc in self.allocations.values():
+                if len(set(alloc)) > 1:
+                    for n in set(alloc):
+                        count[n] = count.get(n, 0) + 1
+            interfere_nodes = {n for n, c in count.items() if c > 1}
+        for job in self.jobs:
+            alloc_set = set(self.allocations.get(job.name, ()))
+            slow = 0.0
+            if len(alloc_set) > 1 and alloc_set & interfere_nodes:
+                slow = self.interference
+            job.step(seconds, interference=slow)
+        self.current_time += seconds
+        active = self.active_jobs()
+        if active:
+            infos = {j.name: self.job_info(j) for j in active}
+            nodes = self.node_infos()
+            base = {k: v for k, v in self.allocations.items() if k in infos}
+            t0 = _time.perf_counter()
+            allocations = self.policy.optimize(infos, nodes, base, self.current_time)
+            self.policy_seconds.append(_time.perf_counter() - t0)
+            allocations = {k: list(v) for k, v in allocations.items() if v}
+            if self.check:
+                check_allocations(allocations, infos, nodes)
+            for job in self.jobs:
+                new, old = allocations.get(job.name), base.get(job.name)
+                if new != old:
+                    job.reallocate(_placement(new or []))
+            self.allocations = allocations
+        else:
+            self.allocations = {}
+        self.used_gpu_rounds.append(sum(len(a) for a in self.allocations.values()))
+        if self.record_timeline:
+            self.timeline.append(
+                {
+                    "time": self.current_time,
+                    "allocations": {k: len(v) for k, v in self.allocations.items()},
+                }
+            )
+
+    def all_complete(self) -> bool:
+        return all(j.completion_time is not None for j in self.jobs)
+
+    def run(
+        self,
+        *,
+        progress: bool = False,
+        max_time: float | None = None,
+        callback: Callable[[Simulator], None] | None = None,
+    ) -> SimResult:
+        """Simulate until every job completes (or ``max_time`` seconds of simulated time)."""
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(
+                total=None, unit="sim-s", desc=getattr(self.policy, "name", "sim"), mininterval=1.0
+            )
+        while not self.all_complete():
+            if max_time is not None and self.current_time >= max_time:
+                break
+            self.step()
+            if bar is not None:
+                done = sum(j.completion_time is not None for j in self.jobs)
+                bar.update(self.interval)
+                bar.set_postfix(done=f"{done}/{len(self.jobs)}", refresh=False)
+            if callback is not None:
+                callback(self)
+        if bar is not None:
+            bar.close()
+        jcts = {
+            j.name: j.completion_time - j.submission_time
+            for j in self.jobs
+            if j.completion_time is not None
+        }
+        ends = [j.completion_time for j in self.jobs if j.completion_time is not None]
+        makespan = max(ends) if ends else self.current_time
+        capacity = self.num_nodes * self.gpus_per_node
+        util = float(np.mean(self.used_gpu_rounds)) / capacity if self.used_gpu_rounds else 0.0
+        return SimResult(
+            jcts=jcts,
+            makespan=float(makespan),
+            gpu_utilization=util,
+            policy_seconds=list(self.policy_seconds),
+            timeline=self.timeline,
+            restarts={j.name: j.num_restarts or 0 for j in self.jobs},
+        )
+
+
+def _placement(alloc: Sequence[int]) -> list[int]:
+    """Replicas per node, in order of consecutive runs of the same node key."""
+    placement: list[int] = []
+    for i, node in enumerate(alloc):
+        if i == 0 or node != alloc[i - 1]:
+            placement.append(1)
+        else:
+            placement[-1] += 1
+    return placement

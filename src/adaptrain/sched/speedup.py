@@ -1,0 +1,94 @@
+"""Speedup functions: a job's best goodput on (nodes, replicas) over its best on a base allocation.
+
+``speedup(n, r) = max_{bsz} goodput(n, r, bsz) / max_{bsz} goodput(base)`` with the batch size
+(and gradient accumulation) chosen by :meth:`adaptrain.core.goodput.GoodputFunction.optimize`,
+as in Pollux (Qiao et al., OSDI'21, Sec. 4.1). The base defaults to one GPU ``(1, 1)``; Pollux's
+policy rebases to a fair share. Values are memoised in a dense table so that a genetic search
+evaluating thousands of allocations per round costs one table lookup each.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["LinearSpeedup", "SpeedupFunction"]
+
+
+class LinearSpeedup:
+    """``r / scale``: the speedup assumed for a job that has no goodput model yet."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = float(scale)
+
+    def rebased(self, num_nodes: int, num_replicas: int) -> LinearSpeedup:
+        return LinearSpeedup(float(num_replicas))
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
+        out = np.asarray(num_replicas, dtype=np.float64) / self.scale
+        return float(out) if out.ndim == 0 else out
+
+
+class SpeedupFunction:
+    """Memoised, numpy-vectorised speedup of one job from its goodput function."""
+
+    def __init__(
+        self,
+        goodput_fn,
+        max_batch_size: float | None = None,
+        atomic_bsz_range: tuple[int | None, int | None] | None = None,
+        accumulation: bool = False,
+        max_nodes: int = 64,
+        max_replicas: int = 256,
+    ) -> None:
+        self._goodput_fn = goodput_fn
+        self._max_batch_size = max_batch_size
+        self._atomic_bsz_range = atomic_bsz_range
+        self._accumulation = accumulation
+        self._table = np.full((max_nodes + 1, max_replicas + 1), -1.0)
+        self._table[0, 0] = 0.0
+        self.base_goodput = float(self.goodput(1, 1))
+        if not self.base_goodput > 0:
+            raise RuntimeError("goodput on one GPU is not positive; check the goodput model")
+
+    def goodput(self, num_nodes: Any, num_replicas: Any) -> Any:
+        """Best goodput at each (num_nodes, num_replicas); 0 for (0, 0)."""
+        n = np.asarray(num_nodes, dtype=np.int64)
+        r = np.asarray(num_replicas, dtype=np.int64)
+        shape = np.broadcast(n, r).shape
+        n = np.broadcast_to(n, shape).ravel()
+        r = np.broadcast_to(r, shape).ravel()
+        if np.any(n < 0) or np.any(n > r) or np.any((n == 0) != (r == 0)):
+            raise ValueError("need 0 <= num_nodes <= num_replicas, both zero or both positive")
+        if n.size and (n.max() >= self._table.shape[0] or r.max() >= self._table.shape[1]):
+            raise ValueError(
+                f"allocation beyond table {self._table.shape}; raise max_nodes/max_replicas"
+            )
+        out = self._table[n, r]
+        missing = out < 0
+        if np.any(missing):
+            pairs = np.unique(np.stack([n[missing], r[missing]]), axis=1)
+            g, _, _ = self._goodput_fn.optimize(
+                pairs[0],
+                pairs[1],
+                max_batch_size=self._max_batch_size,
+                atomic_bsz_range=self._atomic_bsz_range,
+                accumulation=self._accumulation,
+            )
+            self._table[pairs[0], pairs[1]] = np.asarray(g, dtype=np.float64)
+            out = self._table[n, r]
+        out = out.reshape(shape)
+        return float(out) if shape == () else out
+
+    def rebased(self, num_nodes: int, num_replicas: int) -> SpeedupFunction:
+        """The same function relative to the goodput at (num_nodes, num_replicas) (shares memo)."""
+        other = object.__new__(SpeedupFunction)
+        other.__dict__.update(self.__dict__)
+        base = float(self.goodput(num_nodes, num_replicas))
+        other.base_goodput = base if base > 0 else self.base_goodput
+        return other
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
+        g = self.goodput(num_nodes, num_replicas)
+        return g / self.base_goodput

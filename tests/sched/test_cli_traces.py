@@ -1,0 +1,97 @@
+"""`adaptrain simulate` end to end on tiny traces, and trace interpolation."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from adaptrain.cli._main import main
+from adaptrain.sched.traces import Application, load_applications
+
+
+def _workload(tmp_path, rows):
+    path = os.path.join(str(tmp_path), "workload-t.csv")
+    with open(path, "w") as f:
+        f.write("name,time,application,num_replicas,batch_size\n")
+        for r in rows:
+            f.write(",".join(map(str, r)) + "\n")
+    return path
+
+
+def test_cli_json(tiny_traces, tmp_path, capsys):
+    wl = _workload(tmp_path, [("a", 0, "toy", 1, 8), ("b", 53, "toy", 4, 16)])
+    rc = main(
+        ["simulate", wl, "--traces", tiny_traces, "--policy", "tiresias", "--json", "--nodes", "1"]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"avg_jct", "p99_jct", "makespan", "policy_s_per_round"} <= set(out)
+    assert out["avg_jct"] == pytest.approx((210 + 337) / 2)
+    assert out["makespan"] == 390
+
+
+def test_cli_text_two_policies_and_plot(tiny_traces, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    wl = _workload(tmp_path, [("a", 0, "toy", 2, 16), ("b", 10, "toy", 1, 8)])
+    png = os.path.join(str(tmp_path), "out.png")
+    rc = main(
+        [
+            "simulate",
+            wl,
+            "--traces",
+            tiny_traces,
+            "--policy",
+            "tiresias",
+            "--policy",
+            "optimus",
+            "--plot",
+            png,
+            "--no-progress",
+            "--nodes",
+            "2",
+        ]
+    )
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "tiresias" in text and "optimus" in text and "avg JCT" in text
+    assert os.path.getsize(png) > 1000
+
+
+def test_cli_bad_workload(tiny_traces, tmp_path, capsys):
+    rc = main(["simulate", os.path.join(str(tmp_path), "missing.csv"), "--traces", tiny_traces])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_throughput_interpolation(tiny_app_writer, tmp_path):
+    d = tiny_app_writer(tmp_path)
+    # overwrite placements with a slope in local_bsz to check linear interpolation
+    with open(os.path.join(d, "placements.csv"), "w") as f:
+        f.write("placement,local_bsz,step_time,sync_time\n1,4,1.0,0.1\n1,16,4.0,0.4\n")
+        f.write("12,4,2.0,1.0\n12,16,5.0,1.0\n")
+    app = Application(d)
+    assert app.get_throughput((1,), 10) == pytest.approx((2.5, 0.25))
+    # rotations of a placement share a profile: (2, 1) is (1, 2)
+    assert app.get_throughput((2, 1), 8) == pytest.approx((3.0, 1.0))
+    assert app.min_local_bsz == 4 and app.max_local_bsz == 16
+    with pytest.raises(ValueError, match="outside"):
+        app.get_throughput((1,), 32)
+
+
+def test_grad_stats_and_progress(tiny_app_writer, tmp_path):
+    d = tiny_app_writer(tmp_path)
+    with open(os.path.join(d, "validation-16.csv"), "w") as f:
+        f.write(
+            "progress,iteration,metric,grad_sqr,grad_var\n50,4,0.5,3.0,2.0\n110,8,0.6,5.0,4.0\n"
+        )
+    app = load_applications(str(tmp_path))["toy"]
+    assert (app.init_batch_size, app.max_batch_size, app.max_epochs) == (8, 16, 2)
+    # halfway between bsz 8 (sqr 1, var 0) and 16 (sqr 3, var 2) at epoch 0
+    assert app.get_grad_stats(12, 0) == pytest.approx((2.0, 1.0))
+    # epoch-end progress is the minimum across validated batch sizes
+    assert app.get_progress(0) == 0.0
+    assert app.get_progress(1) == 50.0 and app.get_progress(2) == 110.0
+    with pytest.raises(ValueError, match="outside"):
+        app.get_grad_stats(32, 0)

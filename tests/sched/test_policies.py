@@ -1,0 +1,225 @@
+"""Policies respect capacity, replica bounds and interference avoidance (hypothesis)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adaptrain.sched import (
+    JobInfo,
+    LinearSpeedup,
+    NodeInfo,
+    OptimusPolicy,
+    PolluxPolicy,
+    TiresiasPolicy,
+    WaterfillPolicy,
+    check_allocations,
+)
+from adaptrain.sched.pollux import nondominated_ranks
+
+
+def _concave(a: float):
+    def fn(n, r):
+        r = np.asarray(r, dtype=float)
+        n = np.asarray(n, dtype=float)
+        return np.where(r > 0, r**a / (1.0 + 0.1 * np.maximum(n - 1, 0)), 0.0)
+
+    return fn
+
+
+def _step_time(c: float):
+    return lambda r: c / r + 0.01 * r
+
+
+@st.composite
+def cluster_and_jobs(draw):
+    num_nodes = draw(st.integers(1, 5))
+    gpus = draw(st.integers(1, 4))
+    nodes = {i: NodeInfo(gpus) for i in range(num_nodes)}
+    jobs = {}
+    for j in range(draw(st.integers(1, 9))):
+        max_r = draw(st.integers(1, 12))
+        min_r = draw(st.integers(0, min(max_r, 2)))
+        kind = draw(st.sampled_from(["linear", "concave", "none"]))
+        fn = {
+            "linear": LinearSpeedup(),
+            "concave": _concave(draw(st.floats(0.3, 1.0))),
+            "none": None,
+        }[kind]
+        jobs[f"j{j}"] = JobInfo(
+            creation_timestamp=float(j),
+            attained_service=draw(st.floats(0, 1e5)),
+            min_replicas=min_r,
+            max_replicas=max_r,
+            speedup_fn=fn,
+            num_restarts=draw(st.integers(0, 3)),
+            age=draw(st.floats(0, 1e4)),
+            step_time_fn=_step_time(draw(st.floats(0.1, 2.0))),
+            remaining_steps=draw(st.floats(1, 1e4)),
+        )
+    # a random (valid) current allocation: fill nodes in order
+    base = {}
+    free = collections.Counter({n: gpus for n in nodes})
+    for key, job in jobs.items():
+        want = draw(st.integers(0, job.max_replicas))
+        alloc = []
+        for n in nodes:
+            take = min(free[n], want - len(alloc))
+            alloc += [n] * take
+            free[n] -= take
+        if len(alloc) == want and (want == 0 or want >= job.min_replicas) and len(set(alloc)) <= 1:
+            base[key] = alloc
+    return jobs, nodes, base
+
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(cluster_and_jobs())
+def test_waterfill_respects_constraints(case):
+    jobs, nodes, base = case
+    alloc = WaterfillPolicy(gpus_per_node=max(n.gpus for n in nodes.values())).optimize(
+        jobs, nodes, base, 0.0
+    )
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
+
+
+@SETTINGS
+@given(cluster_and_jobs(), st.integers(0, 2**31 - 1))
+def test_pollux_respects_constraints(case, seed):
+    jobs, nodes, base = case
+    alloc = PolluxPolicy(pop_size=12, generations=4, seed=seed).optimize(jobs, nodes, base, 0.0)
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
+
+
+@SETTINGS
+@given(cluster_and_jobs())
+def test_baselines_respect_capacity(case):
+    jobs, nodes, base = case
+    # the baselines as the paper ran them have no minimum-replica guarantees
+    jobs = {k: dataclasses.replace(j, min_replicas=0) for k, j in jobs.items()}
+    for policy in (TiresiasPolicy(), OptimusPolicy()):
+        alloc = policy.optimize(jobs, nodes, {}, 60.0)
+        check_allocations(alloc, jobs, nodes)
+        if policy.name == "tiresias":  # gang scheduling: all requested replicas or none
+            assert all(len(v) == jobs[k].max_replicas for k, v in alloc.items())
+
+
+def test_waterfill_uses_idle_gpus_and_prefers_scalable_jobs():
+    nodes = {i: NodeInfo(4) for i in range(4)}
+    jobs = {
+        "lin": JobInfo(0.0, max_replicas=16, speedup_fn=LinearSpeedup()),
+        "flat": JobInfo(1.0, max_replicas=16, speedup_fn=_concave(0.05)),
+    }
+    alloc = WaterfillPolicy().optimize(jobs, nodes, {}, 0.0)
+    assert len(alloc["lin"]) > len(alloc["flat"]) >= 1
+    assert sum(map(len, alloc.values())) == 16
+
+
+def test_pollux_gives_every_job_a_gpu_when_possible():
+    nodes = {i: NodeInfo(4) for i in range(2)}
+    jobs = {
+        f"j{i}": JobInfo(float(i), max_replicas=8, speedup_fn=_concave(0.8), age=600.0)
+        for i in range(6)
+    }
+    alloc = PolluxPolicy(pop_size=30, generations=40, seed=1).optimize(jobs, nodes, {}, 0.0)
+    assert all(len(alloc[k]) >= 1 for k in jobs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), min_size=1, max_size=25))
+def test_nondominated_ranks_match_bruteforce(points):
+    F = np.array(points, dtype=float)
+    le = np.all(F[:, None] <= F[None], -1)
+    lt = np.any(F[:, None] < F[None], -1)
+    dom = le & lt
+    rank = nondominated_ranks(F)
+    for i in range(len(F)):
+        dominators = np.flatnonzero(dom[:, i])
+        expect = 0 if dominators.size == 0 else 1 + rank[dominators].max()
+        assert rank[i] == expect
+
+
+def test_tiresias_state_roundtrip():
+    nodes = {0: NodeInfo(4)}
+    jobs = {"a": JobInfo(0.0, max_replicas=2), "b": JobInfo(1.0, max_replicas=4)}
+    p1 = TiresiasPolicy(queue_threshold=100)
+    a1 = p1.optimize(jobs, nodes, {}, 60.0)
+    p2 = TiresiasPolicy(queue_threshold=100)
+    p2.load_state_dict(p1.state_dict())
+    a2 = a1
+    for t in (120.0, 180.0, 240.0):
+        a1 = p1.optimize(jobs, nodes, a1, t)
+        a2 = p2.optimize(jobs, nodes, a2, t)
+        assert a1 == a2
+
+
+def test_check_allocations_catches_violations():
+    nodes = {0: NodeInfo(2), 1: NodeInfo(2)}
+    jobs = {"a": JobInfo(0.0, max_replicas=2), "b": JobInfo(0.0, max_replicas=4)}
+    with pytest.raises(RuntimeError, match="capacity"):
+        check_allocations({"a": [0, 0], "b": [0]}, jobs, nodes)
+    with pytest.raises(RuntimeError, match="replicas"):
+        check_allocations({"a": [0, 0, 1]}, jobs, nodes)
+    with pytest.raises(RuntimeError, match="multi-node"):
+        check_allocations({"a": [0, 1], "b": [0, 1]}, jobs, nodes, interference=True)
+
+
+def test_waterfill_fast_on_160_jobs_64_gpus():
+    import time
+
+    rng = np.random.default_rng(0)
+    nodes = {i: NodeInfo(4) for i in range(16)}
+    jobs = {
+        f"j{i}": JobInfo(
+            float(i),
+            attained_service=float(rng.uniform(0, 1e5)),
+            max_replicas=int(rng.integers(1, 65)),
+            speedup_fn=_concave(float(rng.uniform(0.3, 0.95))),
+            remaining_work=float(rng.uniform(60, 1e5)),
+            age=float(rng.uniform(0, 1e4)),
+        )
+        for i in range(160)
+    }
+    policy = WaterfillPolicy()
+    alloc = policy.optimize(jobs, nodes, {}, 0.0)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        alloc = policy.optimize(jobs, nodes, alloc, 60.0)
+    per_round = (time.perf_counter() - t0) / 3
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
+    assert sum(map(len, alloc.values())) == 64  # more jobs than GPUs: all GPUs in use
+    assert per_round < 1.0
+
+
+def test_waterfill_prefers_short_jobs_when_congested():
+    nodes = {0: NodeInfo(2)}
+    jobs = {
+        "long": JobInfo(0.0, max_replicas=2, speedup_fn=LinearSpeedup(), remaining_work=1e5),
+        "short": JobInfo(1.0, max_replicas=2, speedup_fn=LinearSpeedup(), remaining_work=60.0),
+        "mid": JobInfo(2.0, max_replicas=2, speedup_fn=LinearSpeedup(), remaining_work=600.0),
+    }
+    alloc = WaterfillPolicy().optimize(jobs, nodes, {}, 0.0)
+    assert len(alloc.get("short", [])) == 1 and len(alloc.get("mid", [])) == 1
+    assert not alloc.get("long")
+
+
+def test_pollux_state_roundtrip_replays_identically():
+    nodes = {i: NodeInfo(4) for i in range(3)}
+    jobs = {
+        f"j{i}": JobInfo(float(i), max_replicas=6, speedup_fn=_concave(0.7), age=300.0)
+        for i in range(5)
+    }
+    p1 = PolluxPolicy(pop_size=16, generations=5, seed=3)
+    a = p1.optimize(jobs, nodes, {}, 60.0)
+    p2 = PolluxPolicy(pop_size=16, generations=5, seed=99)
+    p2.load_state_dict(p1.state_dict())
+    b1 = p1.optimize(jobs, nodes, a, 120.0)
+    b2 = p2.optimize(jobs, nodes, a, 120.0)
+    assert b1 == b2
