@@ -1,0 +1,249 @@
+"""``AdaptiveDataParallel``: DistributedDataParallel with adaptive batch size and checkpointing.
+
+Drop-in for ``adaptdl.torch.AdaptiveDataParallel``. On top of DDP it
+
+* collects the gradient noise scale in a DDP communication hook
+  (:func:`adaptrain.torch.gradient_noise_scale.gns_allreduce_hook`): no per-parameter backward
+  hooks, two BLAS dot products per bucket and no extra collective (the replicas' local norms
+  ride on a bucket's all-reduce of the next step, so the statistics lag one step);
+* scales every param group's ``lr`` by the scaling rule's factor around ``optimizer.step()`` via
+  ``optimizer.register_step_pre_hook``/``register_step_post_hook`` (no monkey-patching), then
+  restores it and advances the progress by the gain ``r_t``;
+* follows the :class:`~adaptrain.torch.data.AdaptiveDataLoader`'s gradient accumulation: on
+  accumulation micro-batches ``forward`` runs under ``no_sync()``; calling ``optimizer.step()``
+  there does not update anything (the accumulated gradients are set aside and handed back to
+  the parameters at the next ``forward``), so AdaptDL's loop
+  ``zero_grad(); loss.backward(); step()`` on every micro-batch stays correct. The synchronising
+  hook divides by ``replicas × accumulation steps`` so the update uses the mean gradient;
+* saves and restores model, optimizer, LR scheduler, GradScaler and noise-scale state as the
+  checkpoint State ``name``.
+
+With a ``torch.amp.GradScaler`` pass it as ``mp_scaler``: the statistics are divided by the
+loss scale². Under gradient accumulation call ``scaler.step``/``scaler.update`` only when
+``current_dataloader().is_optim_step()`` (as torch's AMP notes recommend), because ``unscale_``
+works in place on the partial sums.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+import adaptrain.checkpoint as _checkpoint
+from adaptrain.torch import _metrics
+from adaptrain.torch.data import current_dataloader
+from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
+from adaptrain.torch.scaling_rules import ScalingRuleBase, default_scaling_rule
+
+__all__ = ["AdaptiveDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+class AdaptiveDataParallel(DistributedDataParallel):
+    """DistributedDataParallel with noise-scale tracking, LR scaling and checkpoint-restart.
+
+    Args:
+        model: the module to replicate.
+        optimizer: the optimizer of ``model``'s parameters; its ``lr`` is scaled by
+            ``scaling_rule`` during each ``step()`` (hooks, not patching).
+        lr_scheduler: optional LR scheduler, checkpointed with the model.
+        mp_scaler: optional ``torch.amp.GradScaler`` used for the loss.
+        scaling_rule: a :class:`~adaptrain.torch.scaling_rules.ScalingRuleBase`; default
+            ``AdamScale`` for Adam/AdamW/RMSprop, ``AdaScale`` otherwise.
+        name: unique checkpoint name of this instance.
+        **kwargs: passed to ``DistributedDataParallel`` (a ``comm_hook`` cannot be combined).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised
+            (call :func:`adaptrain.torch.init_process_group` first).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any = None,
+        mp_scaler: Any = None,
+        scaling_rule: ScalingRuleBase | None = None,
+        name: str = "adaptdl-dataparallel",
+        **kwargs: Any,
+    ) -> None:
+        if not torch.distributed.is_initialized():
+            raise RuntimeError(
+                "AdaptiveDataParallel needs torch.distributed: call "
+                "adaptrain.torch.init_process_group('gloo' or 'nccl') before creating it"
+            )
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"optimizer={optimizer!r} must be a torch.optim.Optimizer")
+        super().__init__(model, **kwargs)
+        self._key = id(self)
+        self._optimizer = optimizer
+        self._mp_scaler = mp_scaler
+        self.gns = GradientNoiseScale(self, optimizer, mp_scaler=mp_scaler)
+        self.gns.register(self)
+        self.scaling_rule = (
+            scaling_rule if scaling_rule is not None else (default_scaling_rule(optimizer))
+        )
+        self.scaling_rule.initialize(self, optimizer, patch_optimizer=True)
+        self._last_forward_sync = True
+        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._scale = 1.0
+        self._init_bsz: int | None = None
+        self._state = _AdaptiveDataParallelState(
+            model, optimizer, lr_scheduler, mp_scaler, self.gns, name
+        )
+        _checkpoint.load_state(self._state)
+
+    # ----- forward / accumulation --------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not (self.training and torch.is_grad_enabled()):
+            return super().forward(*args, **kwargs)
+        self._restore_grads()
+        loader = current_dataloader()
+        if loader is not None and not loader.training:
+            loader.train()  # the loader we backpropagate from is the training loader
+        if loader is not None and loader.training:
+            sync = bool(loader.is_optim_step())
+            accum = max(int(loader.accumulation_steps), 1)
+            init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
+            self._init_bsz = int(init_bsz)
+            self._scale = float(loader.current_batch_size) / float(init_bsz)
+            self.gns.set_accum_scale(
+                loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
+            )
+        else:
+            sync = bool(self.require_backward_grad_sync)
+            accum = 1
+            self._scale = 1.0
+        self.gns.count_micro_batch()
+        self._last_forward_sync = sync
+        if sync:
+            self.gns.begin_step(accum_steps=accum)
+            return super().forward(*args, **kwargs)
+        with self.no_sync():
+            return super().forward(*args, **kwargs)
+
+    def _stash_grads(self) -> None:
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._stash.append((p, p.grad))
+                    p.grad = None
+
+    def _restore_grads(self) -> None:
+        if not self._stash:
+            return
+        for p, g in self._stash:
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
+        self._stash = []
+
+    # ----- called by the scaling rule's step hooks ---------------------------------------------
+    def _begin_optimizer_step(self) -> bool:
+        """Pre-step: False on an accumulation micro-batch (gradients set aside), else True."""
+        if not self._last_forward_sync:
+            self._stash_grads()
+            return False
+        _metrics.profile_sync_time(self.gns.last_sync_time)
+        self.gns.finish_step(self._scale)
+        return True
+
+    def _step_scale(self) -> float:
+        return self._scale
+
+    def _init_batch_size(self) -> int | None:
+        return self._init_bsz
+
+    def _end_optimizer_step(self, scale: float, lr_factor: float) -> None:
+        gain = self.gns.gain(scale)
+        self.gns.set_progress(self.gns.get_progress() + gain)
+        self._state.gain = gain
+        self._state.lr_factor = lr_factor
+        _metrics.update_progress(self.gns.get_progress())
+        _metrics.update_grad_params(self.gns.sqr_avg(), self.gns.var_avg())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients, except in the middle of a gradient accumulation (then a no-op)."""
+        if self._stash or not self._last_forward_sync:
+            warnings.warn("zero_grad skipped: gradients are being accumulated", stacklevel=2)
+            return
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ----- reporting ---------------------------------------------------------------------------
+    @property
+    def gain(self) -> float:
+        """Current estimate of the AdaScale gain ``r_t`` of the last optimizer step."""
+        return self._state.gain
+
+    def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
+        """Write gradient statistics, gain, LR factor and progress to a ``SummaryWriter``."""
+        if tag_prefix and not tag_prefix.endswith("/"):
+            tag_prefix += "/"
+        writer.add_scalar(tag_prefix + "Gradient_Norm_Sqr", self.gns.sqr_avg(), global_step)
+        writer.add_scalar(tag_prefix + "Gradient_Variance", self.gns.var_avg(), global_step)
+        writer.add_scalar(tag_prefix + "Gain", self._state.gain, global_step)
+        writer.add_scalar(tag_prefix + "Learning_Rate_Factor", self._state.lr_factor, global_step)
+        writer.add_scalar(tag_prefix + "Accum_Scale", self.gns.accum_scale, global_step)
+        writer.add_scalar(tag_prefix + "Progress", self.gns.get_progress(), global_step)
+
+
+class _AdaptiveDataParallelState(_checkpoint.State):
+    """Model, optimizer, scheduler, scaler, noise-scale state, gain and LR factor."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        mp_scaler: Any,
+        gns: GradientNoiseScale,
+        name: str,
+    ) -> None:
+        super().__init__(name)
+        self.model = model
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.mp_scaler = mp_scaler
+        self.gns = gns
+        self.gain = 1.0
+        self.lr_factor = 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+            "mp_scaler": None if self.mp_scaler is None else self.mp_scaler.state_dict(),
+            "gns": self.gns.state_dict(),
+            "gain": self.gain,
+            "lr_factor": self.lr_factor,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.model.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        if sd["lr_scheduler"] is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(sd["lr_scheduler"])
+        if sd["mp_scaler"] is not None and self.mp_scaler is not None:
+            self.mp_scaler.load_state_dict(sd["mp_scaler"])
+        self.gns.load_state_dict(sd["gns"])
+        self.gain = float(sd["gain"])
+        self.lr_factor = float(sd["lr_factor"])
+        _metrics.update_progress(self.gns.get_progress())
+
+    def sync(self) -> None:
+        # Every replica, before rank 0 saves: fold the pending step (a collective).
+        self.gns.flush()
+
+    def save(self, fileobj: Any) -> None:
+        torch.save(self.state_dict(), fileobj)
+
+    def load(self, fileobj: Any) -> None:
+        self.load_state_dict(torch.load(fileobj, weights_only=True))

@@ -1,0 +1,206 @@
+"""Learning-rate scaling rules for :class:`~adaptrain.torch.AdaptiveDataParallel`.
+
+API of ``adaptdl.torch.scaling_rules``: each rule's ``scale_lr(scale)`` returns the factor that
+multiplies every param group's ``lr`` for a step at batch-size scale ``S = B/B0``; the factors
+themselves are the pure functions of :mod:`adaptrain.core.scaling`:
+
+* :class:`AdaScale` — ``r = (var + sqr)/(var/S + sqr)`` (Johnson et al., 2020, arXiv:2007.05105);
+* :class:`AdamScale` — ``sqrt(r)``, AdaptDL's variant for Adam/AdamW/RMSprop;
+* :class:`LinearScale` — ``S`` (Goyal et al., 2017); :class:`SqrtScale` — ``sqrt(S)``;
+* :class:`LEGWScale` — ``sqrt(S)`` after a warm-up of ``S·base_warmup_epochs`` epochs measured
+  in progress (You et al., 2019, arXiv:1901.08256).
+
+How the factor is applied. :meth:`ScalingRuleBase.initialize` registers
+``optimizer.register_step_pre_hook``/``register_step_post_hook`` (torch's sanctioned mechanism;
+``optimizer.step`` itself is never replaced): before the step every ``lr`` is multiplied by the
+factor, after it the original values are restored, so schedulers and checkpoints only ever see
+the unscaled ``lr``. :meth:`ScalingRuleBase.step` is AdaptDL's explicit form (it just calls
+``optimizer.step`` when the hooks are installed).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from adaptrain.core import scaling as _scaling
+
+__all__ = ["ScalingRuleBase", "AdaScale", "AdamScale", "LinearScale", "SqrtScale", "LEGWScale"]
+
+
+class ScalingRuleBase:
+    """Base class: scales the learning rate of an optimizer used with AdaptiveDataParallel.
+
+    .. code-block:: python
+
+        optim = torch.optim.SGD(model.parameters(), lr=0.001)
+        adascale = AdaScale()
+        model = AdaptiveDataParallel(model, optim, scaling_rule=adascale)
+        for batch in loader:
+            optim.zero_grad()
+            loss = ...
+            loss.backward()
+            adascale.step()          # or optim.step(): the same thing
+    """
+
+    def __init__(self) -> None:
+        self.adp: Any = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._handles: list[Any] = []
+        self._saved_lr: list[Any] | None = None
+        self._step_scale = 1.0
+        self.last_factor = 1.0
+
+    def scale_lr(self, scale: float) -> Any:
+        """Factor (a float, or one per param group) for a step at batch-size scale ``scale``."""
+        raise NotImplementedError
+
+    # ----- wiring ------------------------------------------------------------------------------
+    def initialize(self, adp: Any, optimizer: torch.optim.Optimizer, patch_optimizer: bool = False):
+        """Bind to ``adp`` and ``optimizer``; with ``patch_optimizer`` install the step hooks.
+
+        (The name is AdaptDL's; nothing is patched: torch's step pre/post hooks are used.)
+        """
+        if self._handles:
+            raise RuntimeError(
+                f"{type(self).__name__} is already attached to an optimizer; create one scaling "
+                "rule per AdaptiveDataParallel"
+            )
+        self.adp = adp
+        self._optimizer = optimizer
+        if patch_optimizer:
+            self._handles = [
+                optimizer.register_step_pre_hook(self._pre_step_hook),
+                optimizer.register_step_post_hook(self._post_step_hook),
+            ]
+
+    def detach(self) -> None:
+        """Remove the step hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        adp = self.adp
+        if adp is None:
+            raise ValueError("AdaptiveDataParallel instance is not set!")
+        self._saved_lr = None
+        if not adp._begin_optimizer_step():
+            return  # an accumulation micro-batch: the optimizer sees no gradient
+        scale = adp._step_scale()
+        self._step_scale = scale
+        factor = self.scale_lr(scale)
+        groups = optimizer.param_groups
+        if isinstance(factor, (int, float)):
+            factors = [float(factor)] * len(groups)
+            self.last_factor = float(factor)
+        else:  # one factor per param group
+            factors = np.broadcast_to(np.asarray(factor, dtype=np.float64), (len(groups),))
+            self.last_factor = float(np.mean(factors))
+        self._saved_lr = [pg["lr"] for pg in optimizer.param_groups]
+        for f, pg in zip(factors, optimizer.param_groups):
+            pg["lr"] = pg["lr"] * float(f)
+
+    def _post_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._saved_lr is None:
+            return
+        for lr, pg in zip(self._saved_lr, optimizer.param_groups):
+            pg["lr"] = lr
+        self._saved_lr = None
+        self.adp._end_optimizer_step(self._step_scale, self.last_factor)
+
+    # ----- AdaptDL's explicit API --------------------------------------------------------------
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one optimizer step with the scaled learning rate (``optimizer.step(*args)``)."""
+        if self.adp is None or self._optimizer is None:
+            raise ValueError("AdaptiveDataParallel instance is not set!")
+        if self._handles:
+            return self._optimizer.step(*args, **kwargs)
+        self._pre_step_hook(self._optimizer, args, kwargs)
+        try:
+            return self._optimizer.step(*args, **kwargs)
+        finally:
+            self._post_step_hook(self._optimizer, args, kwargs)
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        """``optimizer.zero_grad``; a no-op in the middle of gradient accumulation."""
+        if self._optimizer is None:
+            raise ValueError("AdaptiveDataParallel instance is not set!")
+        self._optimizer.zero_grad(*args, **kwargs)
+
+    # ----- helpers ------------------------------------------------------------------------------
+    def _stats(self) -> tuple[float, float, float]:
+        gns = self.adp.gns
+        return gns.sqr_avg(), gns.var_avg(), gns.get_progress()
+
+
+class AdaScale(ScalingRuleBase):
+    """AdaScale: ``lr · r`` with ``r = (var + sqr)/(var/S + sqr)`` from the GNS estimate."""
+
+    def scale_lr(self, scale: float) -> float:
+        if scale == 1.0:
+            return 1.0  # gain(1) = 1 exactly; skips the numpy round trip on the common path
+        sqr, var, progress = self._stats()
+        return _scaling.adascale_factor(scale, sqr, var, progress)
+
+
+class AdamScale(AdaScale):
+    """Square-root AdaScale ``lr · sqrt(r)`` for Adam, AdamW and RMSprop (AdaptDL's variant)."""
+
+    def scale_lr(self, scale: float) -> float:
+        if scale == 1.0:
+            return 1.0
+        sqr, var, progress = self._stats()
+        return _scaling.sqrt_adascale_factor(scale, sqr, var, progress)
+
+
+class LinearScale(ScalingRuleBase):
+    """Linear scaling ``lr · S`` (Goyal et al., 2017)."""
+
+    def scale_lr(self, scale: float) -> float:
+        return _scaling.linear_factor(scale)
+
+
+class SqrtScale(ScalingRuleBase):
+    """Square-root scaling ``lr · sqrt(S)`` (Krizhevsky, 2014)."""
+
+    def scale_lr(self, scale: float) -> float:
+        return _scaling.sqrt_factor(scale)
+
+
+class LEGWScale(ScalingRuleBase):
+    """LEGW: ``lr · sqrt(S) · min(1, progress / (S · base_warmup_epochs · steps_per_epoch))``.
+
+    ``progress`` is AdaptDL's effective (scale-invariant) steps, ``steps_per_epoch`` is
+    ``data_size / B0`` with ``B0`` the loader's initial batch size.
+
+    Args:
+        base_warmup_epochs: warm-up length in epochs at the initial batch size.
+        data_size: number of samples in the dataset.
+    """
+
+    def __init__(self, base_warmup_epochs: float, data_size: int) -> None:
+        super().__init__()
+        if base_warmup_epochs < 0:
+            raise ValueError(f"base_warmup_epochs={base_warmup_epochs} must be ≥ 0")
+        if data_size <= 0:
+            raise ValueError(f"data_size={data_size} must be positive")
+        self._base_warmup_epochs = base_warmup_epochs
+        self._data_size = data_size
+
+    def scale_lr(self, scale: float) -> float:
+        init_bsz = self.adp._init_batch_size() if self.adp is not None else None
+        if not init_bsz:
+            init_bsz = 1
+        progress = self.adp.gns.get_progress()
+        return _scaling.legw_factor(
+            scale, progress, self._base_warmup_epochs, self._data_size / init_bsz
+        )
+
+
+def default_scaling_rule(optimizer: torch.optim.Optimizer) -> ScalingRuleBase:
+    """AdamScale for Adam/AdamW/RMSprop (and their subclasses), AdaScale otherwise."""
+    adaptive = (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+    return AdamScale() if isinstance(optimizer, adaptive) else AdaScale()

@@ -1,0 +1,101 @@
+"""GradientNoiseScale: the estimate against the exact truth, API, checkpoint state."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from adaptrain.dist.spawn import spawn
+from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
+
+TIMEOUT = 240
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    return X / 16.0, y
+
+
+def _truth(W: np.ndarray, b: np.ndarray, B0: int) -> tuple[float, float]:
+    """Exact |G|² and tr(Σ)/B0 of softmax regression from all per-sample gradients."""
+    X, y = _digits()
+    logits = X @ W.T + b
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    d = p.copy()
+    d[np.arange(len(y)), y] -= 1.0  # dloss/dlogits per sample
+    per_sample = np.concatenate([(d[:, :, None] * X[:, None, :]).reshape(len(y), -1), d], axis=1)
+    G = per_sample.mean(0)
+    tr_cov = float((per_sample**2).sum(1).mean() - G @ G)  # population covariance trace
+    return float(G @ G), tr_cov / B0
+
+
+def _estimate(rank, ws, steps, b):
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = _digits()
+    X = torch.tensor(X, dtype=torch.float32)
+    y = torch.tensor(y)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # fixed weights: a fixed truth
+    adp = AdaptiveDataParallel(model, opt)
+    g = torch.Generator().manual_seed(1234)
+    for _ in range(steps):
+        idx = torch.randint(0, len(y), (ws, b), generator=g)[rank]  # i.i.d. with replacement
+        opt.zero_grad()
+        F.cross_entropy(adp(X[idx]), y[idx]).backward()
+        opt.step()
+    adp.gns.flush()
+    W = model.weight.detach().double().numpy()
+    bias = model.bias.detach().double().numpy()
+    return adp.gns.sqr_avg(), adp.gns.var_avg(), W, bias
+
+
+def test_estimate_within_10_percent_of_exact_truth():
+    ws, b = 2, 64
+    out = spawn(_estimate, ws, args=(1000, b), timeout=TIMEOUT)
+    sqr, var, W, bias = out[0]
+    assert out[1][:2] == (sqr, var)
+    true_sqr, true_var = _truth(W, bias, B0=ws * b)
+    assert abs(sqr - true_sqr) <= 0.1 * true_sqr, (sqr, true_sqr)
+    assert abs(var - true_var) <= 0.1 * true_var, (var, true_var)
+
+
+def test_api_golden_values_and_state_round_trip():
+    gns = GradientNoiseScale(num_replicas=2)
+    assert gns.gain(8.0) == 1.0 and gns.sqr_avg() == 0.0 and gns.var_avg() == 0.0
+    state = gns.state_dict()
+    state.update(sqr=(0.5, 0.5, 3), var=(2.0, 0.5, 3), progress=7.5)
+    gns.load_state_dict(state)
+    assert gns.sqr_avg() == 1.0 and gns.var_avg() == 4.0
+    assert gns.gain(4.0) == pytest.approx((4.0 + 1.0) / (4.0 / 4.0 + 1.0))
+    assert gns.raw_var_avg.tolist() == [4.0]
+    assert gns.get_progress() == 7.5
+    other = GradientNoiseScale(num_replicas=2)
+    other.load_state_dict(gns.state_dict())
+    assert other.state_dict() == gns.state_dict()
+    gns.load_state_dict({**state, "sqr": (-0.1, 0.5, 3)})  # a negative raw average is clipped
+    assert gns.sqr_avg() == 0.0 and gns.raw_sqr_avg.tolist() == [-0.2]
+
+
+@pytest.mark.parametrize("kwargs", [{"num_replicas": 0}, {"num_replicas": 2, "smoothing": 1.0}])
+def test_bad_arguments_raise(kwargs):
+    with pytest.raises(ValueError):
+        GradientNoiseScale(**kwargs)
+
+
+def test_gain_fast_path_agrees_with_core():
+    from adaptrain.core import gns as core_gns
+
+    gns = GradientNoiseScale(num_replicas=2)
+    for sqr, var in [(1.0, 4.0), (0.0, 3.0), (2.0, 0.0), (1e-3, 1.0)]:
+        state = gns.state_dict()
+        state.update(sqr=(sqr, 1.0, 1), var=(var, 1.0, 1))
+        gns.load_state_dict(state)
+        for scale in (1.0, 2.0, 7.5, 64.0):
+            assert gns.gain(scale) == pytest.approx(core_gns.gain(sqr, var, scale), rel=1e-12)

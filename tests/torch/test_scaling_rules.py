@@ -1,0 +1,91 @@
+"""Scaling rules: golden factors, default choice, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
+from adaptrain.torch.scaling_rules import (
+    AdamScale,
+    AdaScale,
+    LEGWScale,
+    LinearScale,
+    ScalingRuleBase,
+    SqrtScale,
+    default_scaling_rule,
+)
+
+
+class _Owner:
+    """The two things a rule reads from its AdaptiveDataParallel: the GNS and B0."""
+
+    def __init__(self, sqr: float, var: float, progress: float = 0.0, init_bsz: int = 100):
+        self.gns = GradientNoiseScale(num_replicas=2)
+        state = self.gns.state_dict()
+        state.update(sqr=(sqr, 1.0, 1), var=(var, 1.0, 1), progress=progress)
+        self.gns.load_state_dict(state)
+        self._bsz = init_bsz
+
+    def _init_batch_size(self):
+        return self._bsz
+
+
+def _bind(rule: ScalingRuleBase, owner: _Owner) -> ScalingRuleBase:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    rule.initialize(owner, opt)
+    return rule
+
+
+@pytest.mark.parametrize(
+    "rule, scale, expected",
+    [
+        (AdaScale(), 4.0, (4.0 + 1.0) / (4.0 / 4.0 + 1.0)),  # 2.5
+        (AdaScale(), 1.0, 1.0),
+        (AdamScale(), 4.0, math.sqrt(2.5)),
+        (LinearScale(), 4.0, 4.0),
+        (SqrtScale(), 9.0, 3.0),
+    ],
+)
+def test_golden_factors(rule, scale, expected):
+    assert _bind(rule, _Owner(sqr=1.0, var=4.0)).scale_lr(scale) == pytest.approx(expected, 1e-12)
+
+
+def test_adascale_is_linear_when_noise_dominates_and_one_without_noise():
+    assert _bind(AdaScale(), _Owner(sqr=0.0, var=1.0)).scale_lr(8.0) == pytest.approx(8.0)
+    assert _bind(AdaScale(), _Owner(sqr=1.0, var=0.0)).scale_lr(8.0) == pytest.approx(1.0)
+
+
+def test_legw_warms_up_in_progress_then_plateaus():
+    # data 1000, B0 100 -> 10 steps/epoch; 2 warm-up epochs at scale 4 -> 80 progress steps.
+    def factor(progress):
+        return _bind(LEGWScale(2, 1000), _Owner(1.0, 1.0, progress=progress)).scale_lr(4.0)
+
+    assert factor(0.0) == 0.0
+    assert factor(20.0) == pytest.approx(2.0 * 20 / 80)
+    assert factor(80.0) == pytest.approx(2.0)
+    assert factor(500.0) == pytest.approx(2.0)
+
+
+def test_default_rule_by_optimizer():
+    p = [torch.nn.Parameter(torch.zeros(1))]
+    assert type(default_scaling_rule(torch.optim.SGD(p, lr=0.1))) is AdaScale
+    for cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop):
+        assert type(default_scaling_rule(cls(p, lr=0.1))) is AdamScale
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="not set"):
+        AdaScale().step()
+    with pytest.raises(ValueError, match="base_warmup_epochs"):
+        LEGWScale(-1, 100)
+    with pytest.raises(ValueError, match="data_size"):
+        LEGWScale(1, 0)
+    with pytest.raises(ValueError, match="scale"):
+        _bind(LinearScale(), _Owner(1.0, 1.0)).scale_lr(0.0)
+    rule = _bind(AdaScale(), _Owner(1.0, 1.0))
+    with pytest.raises(NotImplementedError):
+        ScalingRuleBase().scale_lr(2.0)
+    assert rule.adp is not None
