@@ -1,0 +1,328 @@
+"""Time to target: autoscaled batch size vs a sweep of fixed batch sizes vs the user's default.
+
+For each task, 2 gloo replicas train until a validation target is reached; the figure is the
+*training* wall time (evaluation pauses the clock), median over repetitions:
+
+* ``fixed-B``: plain ``DistributedDataParallel`` at global batch ``B`` with the learning rate
+  scaled linearly from the base (``lr0 · B / B0``, ``B0 = 32``); the **oracle** is the fastest
+  member of the sweep in the same repetition, the **default** is ``B = B0`` (what a user who does
+  not tune the batch size runs).
+* ``adaptrain``: ``adaptrain.torch`` with ``autoscale_batch_size`` (initial batch ``B0``, gradient
+  accumulation allowed), the scaling rule AdaptiveDataParallel picks (AdamScale for Adam,
+  AdaScale for SGD).
+* ``adaptdl``: AdaptDL 0.2.11's ``autoscale_batch_size`` on the same task, when it installs
+  (``_adaptdl_ref.py``).
+
+Tasks (real data):
+
+* ``charlm``: CharLM (GRU 128) on the standard library's source, Adam ``lr0 = 3e-3``; target:
+  validation loss ≤ ``--charlm-target`` bits/char.
+* ``digits``: DigitsNet CNN on sklearn's digits, SGD+momentum ``lr0 = 0.02``; target: test
+  accuracy ≥ ``--digits-target``.
+
+A run that misses the target within ``--limit`` seconds of training counts as ``inf``.
+Ratios (``autoscale / oracle``, ``autoscale / default``) are taken within each repetition, whose
+variants run back to back in a rotating order, then the median over repetitions is reported.
+
+    python benchmarks/bench_time_to_target.py                      # both tasks, 3 repetitions
+    python benchmarks/bench_time_to_target.py --tasks digits --reps 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+B0 = 32
+TASKS = {
+    "charlm": {
+        "sweep": [32, 64, 128, 256],
+        "max_batch": 512,
+        "bounds": (8, 128),
+        "lr0": 3e-3,
+        "eval_every": 0.5,
+    },
+    "digits": {
+        "sweep": [16, 32, 64, 128, 256],
+        "max_batch": 512,
+        "bounds": (4, 256),
+        "lr0": 0.02,
+        "eval_every": 0.1,
+    },
+}
+
+
+def _setup(task: str, seed: int, cache: str):
+    import torch
+
+    from adaptrain.workloads import (
+        CharLM,
+        DigitsNet,
+        charlm_datasets,
+        charlm_loss,
+        digits_datasets,
+        digits_loss,
+    )
+
+    if task == "charlm":
+        train, valid = charlm_datasets(
+            seq_len=64, max_chars=400_000, valid_fraction=0.05, cache_dir=cache
+        )
+        n = min(len(valid), 256)
+        vx, vy = valid[list(range(n))]
+        model = CharLM(hidden=128, seed=seed)
+
+        def metric(m: torch.nn.Module) -> float:  # bits/char, lower is better
+            with torch.no_grad():
+                return float(charlm_loss(m, (vx, vy))) / math.log(2)
+
+        return train, model, charlm_loss, metric, "adam"
+    train, test = digits_datasets()
+    tx, ty = test.tensors
+    model = DigitsNet(seed=seed)
+
+    def metric(m: torch.nn.Module) -> float:  # test accuracy, higher is better
+        with torch.no_grad():
+            return float((m(tx).argmax(1) == ty).float().mean())
+
+    return train, model, digits_loss, metric, "sgd"
+
+
+def _optimizer(kind: str, params, lr: float):
+    import torch
+
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _run(
+    rank: int,
+    world: int,
+    port: int,
+    task: str,
+    variant: str,
+    seed: int,
+    target: float,
+    limit: float,
+    eval_every: float,
+    cache: str,
+) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    cfg = TASKS[task]
+    lower_better = task == "charlm"
+    adaptdl_torch = None
+    if variant == "adaptdl":
+        import _adaptdl_ref
+
+        os.environ.update(
+            {
+                "ADAPTDL_MASTER_ADDR": "127.0.0.1",
+                "ADAPTDL_MASTER_PORT": str(port),
+                "ADAPTDL_NUM_REPLICAS": str(world),
+                "ADAPTDL_REPLICA_RANK": str(rank),
+            }
+        )
+        adaptdl_torch = _adaptdl_ref.import_adaptdl()
+        adaptdl_torch.init_process_group("gloo")
+    elif variant == "adaptrain":
+        import adaptrain.torch as adl
+
+        adl.init_process_group("gloo")
+    else:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+    train, model, loss_fn, metric, opt_kind = _setup(task, seed, cache)
+    module = model
+
+    if variant.startswith("fixed-"):
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        bsz = int(variant.split("-")[1])
+        opt = _optimizer(opt_kind, model.parameters(), cfg["lr0"] * bsz / B0)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        sampler = DistributedSampler(train, shuffle=True, seed=seed)
+        loader = DataLoader(train, batch_size=max(bsz // world, 1), sampler=sampler)
+
+        def epochs():
+            e = 0
+            while True:
+                sampler.set_epoch(e)
+                yield e
+                e += 1
+
+        def batch_size() -> int:
+            return bsz
+    else:
+        lib = adaptdl_torch if variant == "adaptdl" else adl
+        opt = _optimizer(opt_kind, model.parameters(), cfg["lr0"])
+        model = lib.AdaptiveDataParallel(model, opt)
+        loader = lib.AdaptiveDataLoader(train, batch_size=B0, shuffle=True)
+        loader.autoscale_batch_size(
+            cfg["max_batch"], local_bsz_bounds=cfg["bounds"], gradient_accumulation=True
+        )
+
+        def epochs():
+            return lib.remaining_epochs_until(1_000_000)
+
+        def batch_size() -> int:
+            return int(loader.current_batch_size or B0)
+
+    train_time, next_eval, steps = 0.0, 0.0, 0
+    reached, value = math.inf, math.nan
+    trace: list[tuple[float, int]] = []
+    last_bs = B0
+    flags = torch.zeros(2)
+    stop = False
+    for _epoch in epochs():
+        t0 = time.perf_counter()
+        for batch in loader:
+            loss = loss_fn(model, batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+            last_bs = batch_size()
+            now = time.perf_counter()
+            train_time += now - t0
+            if rank == 0:
+                flags[0] = float(train_time >= next_eval)
+                flags[1] = float(train_time >= limit)
+            dist.broadcast(flags, src=0)
+            if flags[0]:
+                module.eval()
+                value = metric(module)
+                module.train()
+                next_eval = train_time + eval_every
+                trace.append((round(train_time, 2), last_bs))
+                done = value <= target if lower_better else value >= target
+                if rank == 0:
+                    flags[0] = float(done)
+                dist.broadcast(flags, src=0)
+                if flags[0]:
+                    reached = train_time
+                    stop = True
+            if stop or flags[1]:
+                stop = True
+                break
+            t0 = time.perf_counter()
+        if stop:
+            break
+    return {
+        "time": reached,
+        "value": value,
+        "steps": steps,
+        "final_batch": last_bs,
+        "max_batch": max((b for _, b in trace), default=last_bs),
+        "trace": trace,
+    }
+
+
+def _fmt(t: float) -> str:
+    return f"{t:.1f}" if math.isfinite(t) else "inf"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tasks", nargs="+", default=["digits", "charlm"])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--charlm-target", type=float, default=2.0, help="validation bits/char")
+    p.add_argument("--digits-target", type=float, default=0.98, help="test accuracy")
+    p.add_argument("--limit", type=float, default=150.0, help="training seconds per run")
+    p.add_argument(
+        "--eval-every",
+        type=float,
+        default=None,
+        help="training seconds between evaluations (default: 0.1 digits, 0.5 charlm)",
+    )
+    p.add_argument("--variants", nargs="+", default=None, help="subset, e.g. fixed-32 adaptrain")
+    p.add_argument("--no-adaptdl", action="store_true")
+    p.add_argument("--timeout", type=float, default=900.0)
+    args = p.parse_args()
+
+    from adaptrain.dist.spawn import free_port, spawn
+
+    with_adaptdl = False
+    if not args.no_adaptdl:
+        import _adaptdl_ref
+
+        with_adaptdl = _adaptdl_ref.install()
+    import tempfile
+
+    import torch
+
+    cache = tempfile.mkdtemp(prefix="bench-ttt-")
+    if "charlm" in args.tasks:  # encode the corpus once, before the replicas read the cache
+        from adaptrain.workloads import charlm_datasets
+
+        charlm_datasets(seq_len=64, max_chars=400_000, valid_fraction=0.05, cache_dir=cache)
+    print(
+        f"2 gloo replicas, torch {torch.__version__}, {os.cpu_count()} CPUs, load "
+        f"{os.getloadavg()[0]:.1f}, {args.reps} repetitions; AdaptDL "
+        f"{'0.2.11' if with_adaptdl else 'not available'}",
+        flush=True,
+    )
+    for task in args.tasks:
+        target = args.charlm_target if task == "charlm" else args.digits_target
+        variants = [f"fixed-{b}" for b in TASKS[task]["sweep"]] + ["adaptrain"]
+        if with_adaptdl:
+            variants.append("adaptdl")
+        if args.variants:
+            variants = [v for v in variants if v in args.variants or v == f"fixed-{B0}"]
+        eval_every = args.eval_every or TASKS[task]["eval_every"]
+        per_rep: list[dict[str, dict]] = []
+        for rep in range(args.reps):
+            order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
+            res = {}
+            for v in order:
+                out = spawn(
+                    _run,
+                    2,
+                    args=(free_port(), task, v, rep, target, args.limit, eval_every, cache),
+                    timeout=args.timeout,
+                    init=False,
+                )[0]
+                res[v] = out
+                print(
+                    f"  {task} rep {rep} {v:10s}: {_fmt(out['time'])} s, {out['steps']} "
+                    f"steps, batch {out['final_batch']} (max {out['max_batch']})",
+                    flush=True,
+                )
+            per_rep.append(res)
+        unit = "bits/char ≤" if task == "charlm" else "accuracy ≥"
+        print(f"\n### {task}: training seconds to {unit} {target} (median of {args.reps})")
+        print(
+            "| variant | time (s) | / oracle | / default (fixed-32) | median steps | final batch |"
+        )
+        print("|---|---|---|---|---|---|")
+        for v in variants:
+            times = [r[v]["time"] for r in per_rep]
+            sweep = [v for v in variants if v.startswith("fixed-")]
+            oracle = [min(r[b]["time"] for b in sweep) for r in per_rep]
+            default = [r[f"fixed-{B0}"]["time"] for r in per_rep]
+            ratio_o = statistics.median(t / o for t, o in zip(times, oracle))
+            ratio_d = statistics.median(t / d for t, d in zip(times, default))
+            finals = [r[v]["final_batch"] for r in per_rep]
+            steps = statistics.median(r[v]["steps"] for r in per_rep)
+            print(
+                f"| {v} | {_fmt(statistics.median(times))} | {ratio_o:.2f} | {ratio_d:.2f} | "
+                f"{steps:.0f} | {'/'.join(map(str, finals))} |"
+            )
+        best = [min(sweep, key=lambda b, r=r: r[b]["time"]) for r in per_rep]
+        print(f"oracle batch size per repetition: {best}\n", flush=True)
+
+
+if __name__ == "__main__":
+    main()

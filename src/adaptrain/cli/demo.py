@@ -1,0 +1,166 @@
+"""``adaptrain demo``: the main job — a character LM on local replicas with autoscaled batch size.
+
+Launches ``torchrun`` (``python -m torch.distributed.run``) with ``--replicas`` gloo workers running
+:mod:`adaptrain.cli._demo_worker`. torchrun runs in its own session, so Ctrl-C in the terminal
+reaches this launcher only; the launcher forwards one SIGTERM to torchrun, which forwards it to
+every worker: they agree on a step, write one checkpoint under ``--out`` and exit. Running the same
+command again resumes from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from adaptrain.dist.spawn import free_port
+
+NAME = "demo"
+HELP = "train the character LM of the stdlib's text on local replicas with autoscaled batch size"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--minutes", type=float, default=3.0, help="training time budget (default 3)"
+    )
+    parser.add_argument("--replicas", type=int, default=2, help="local replicas (default 2)")
+    parser.add_argument("--out", default="out/demo", help="output folder (default out/demo)")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=512, help="largest global batch autoscaling may pick"
+    )
+    parser.add_argument("--batch-size", type=int, default=32, help="initial global batch size")
+    parser.add_argument("--fresh", action="store_true", help="delete a previous checkpoint first")
+    parser.add_argument("--no-plot", action="store_true", help="skip the PNG plot at the end")
+    parser.add_argument(
+        "--no-bar", action="store_true", help="plain log lines instead of the tqdm progress bar"
+    )
+    parser.add_argument(
+        "--max-chars", type=int, default=2_000_000, help="corpus size in characters (default 2M)"
+    )
+
+
+def _worker_command(args: argparse.Namespace) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "adaptrain.cli.demo",  # torchrun, quiet on the forwarded SIGTERM (see _torchrun)
+        f"--nproc-per-node={args.replicas}",
+        "--nnodes=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "-m",
+        "adaptrain.cli._demo_worker",
+        f"--minutes={args.minutes}",
+        f"--out={args.out}",
+        f"--batch-size={args.batch_size}",
+        f"--max-batch-size={args.max_batch_size}",
+    ]
+    if args.no_plot:
+        cmd.append("--no-plot")
+    if args.no_bar:
+        cmd.append("--no-bar")
+    cmd.append(f"--max-chars={args.max_chars}")
+    return cmd
+
+
+def _torchrun(argv: list[str]) -> int:
+    """``torchrun argv`` that exits quietly with 143 when the launcher forwards SIGTERM.
+
+    Plain torchrun answers SIGTERM by stopping its workers (each checkpoints and exits 143) and
+    then dies with a SignalException traceback and warnings: correct, but alarming in a demo.
+    """
+    import logging
+
+    from torch.distributed import run as torch_run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        torch_run.main(argv)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Process ids below ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL torchrun and its workers (torchrun starts each worker in a session of its own)."""
+    for p in [pid, *_descendants(pid)]:
+        for kill in (lambda q: os.killpg(q, signal.SIGKILL), lambda q: os.kill(q, signal.SIGKILL)):
+            try:
+                kill(p)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise SystemExit(f"--replicas={args.replicas}: give at least 1")
+    if args.minutes <= 0:
+        raise SystemExit(f"--minutes={args.minutes}: give a positive time budget")
+    out = Path(args.out)
+    ckpt = out / "checkpoint"
+    if args.fresh and ckpt.exists():
+        import shutil
+
+        shutil.rmtree(ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env["ADAPTRAIN_CHECKPOINT_PATH"] = str(ckpt)
+    env["ADAPTRAIN_TENSORBOARD_LOGDIR"] = str(out / "tensorboard")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(_worker_command(args), env=env, start_new_session=True)
+    interrupted = False
+    while True:
+        try:
+            code = proc.wait()
+            break
+        except KeyboardInterrupt:
+            if interrupted:  # a second Ctrl-C: stop waiting for the checkpoint
+                _kill_tree(proc.pid)
+                continue
+            interrupted = True
+            print(
+                "\nadaptrain demo: interrupted, checkpointing... (Ctrl-C again to kill)",
+                file=sys.stderr,
+            )
+            proc.send_signal(signal.SIGTERM)
+    if interrupted:
+        print(
+            f"adaptrain demo: checkpoint in {ckpt}; run the same command again to resume",
+            file=sys.stderr,
+        )
+        return 130
+    return code
+
+
+if __name__ == "__main__":  # the launcher's child: torchrun in its own session
+    sys.exit(_torchrun(sys.argv[1:]))
