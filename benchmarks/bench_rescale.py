@@ -14,13 +14,27 @@ Every phase is timestamped (wall clock, same machine) so the total splits into::
     spawn    new processes launched → Python running the script
     import   ``import torch`` + adaptrain
     group    ``init_process_group`` (rendezvous of the new replicas)
-    restore  model/optimizer/loader built and their States loaded from the checkpoint
+    restore  model/optimizer/loader built and their States loaded from the checkpoint; split into
+             ``restore.build`` (model + optimizer construction: the first ``torch.optim``
+             optimizer imports ``torch._dynamo``, ~40 % of torch's import cost) and
+             ``restore.load`` (wrapper + loader construction, checkpoint verified and loaded)
     step     the first training step (forward, backward, all-reduce, optimizer)
+
+``--exit-mode`` picks how the old replicas leave (``adaptrain.dist.signals.set_exit_mode``):
+``fast`` (default: finally blocks and atexit hooks run, interpreter finalisation skipped),
+``full`` (normal interpreter shutdown, the behaviour before) or ``immediate``.
 
 Usage::
 
     python benchmarks/bench_rescale.py                # 2→1 and 1→2, 3 repetitions each
     python benchmarks/bench_rescale.py --reps 1 --transitions 2:3
+    python benchmarks/bench_rescale.py --exit-modes full fast   # paired comparison
+    python benchmarks/bench_rescale.py --io-only --reps 7   # checkpoint save/load path alone
+
+``--io-only`` times, in one process, saving and restoring the same model + Adam state (110 MB)
+through ``adaptrain.dist.checkpoint`` against the previous path re-implemented here (serialise
+into memory, write, fsync, hash in a second pass; on load read everything, hash, ``torch.load``
+from memory), paired and alternated in each repetition.
 """
 
 from __future__ import annotations
@@ -64,9 +78,11 @@ def worker(args: argparse.Namespace) -> None:
 
     import adaptrain.checkpoint as checkpoint
     import adaptrain.torch as adl
+    from adaptrain.dist import signals
     from adaptrain.workloads import CharLM, charlm_datasets, charlm_loss
 
     torch.set_num_threads(1)
+    signals.set_exit_mode(args.exit_mode)
     _mark(share, rank, "imported")
 
     class Timer(checkpoint.State):
@@ -95,6 +111,7 @@ def worker(args: argparse.Namespace) -> None:
     train_set, _ = charlm_datasets(seq_len=16, max_chars=200_000, cache_dir=share.parent / "cache")
     model = CharLM(embed_dim=512, hidden=1536, seed=0)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    _mark(share, rank, "built")
     model = adl.AdaptiveDataParallel(model, optimizer)
     loader = adl.AdaptiveDataLoader(
         train_set, batch_size=4 * int(os.environ["WORLD_SIZE"]), shuffle=True
@@ -125,10 +142,112 @@ def _train(args, share, rank, adl, model, optimizer, loader, charlm_loss) -> Non
 
 
 # ------------------------------------------------------------------------------------------------
+# Checkpoint I/O alone (--io-only)
+
+
+def _old_save(state_dict: dict, path: str) -> str:
+    import hashlib
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    data = buf.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return hashlib.sha256(data).hexdigest()
+
+
+def _old_load(path: str, sha: str) -> dict:
+    import hashlib
+    import io
+
+    import torch
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if hashlib.sha256(data).hexdigest() != sha:
+        raise RuntimeError(f"{path}: checksum mismatch")
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def io_only(reps: int) -> None:
+    import torch
+
+    from adaptrain import checkpoint
+    from adaptrain.workloads import CharLM
+
+    torch.set_num_threads(1)
+    model = CharLM(embed_dim=512, hidden=1536, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.zeros(2, 4, dtype=torch.int64)).sum().backward()
+    opt.step()
+    sd = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    class Whole(checkpoint.State):
+        def __init__(self) -> None:
+            super().__init__("whole")
+            self.value = sd
+
+        def save(self, fileobj) -> None:
+            torch.save(self.value, fileobj)
+
+        def load(self, fileobj) -> None:
+            self.value = torch.load(fileobj, weights_only=True)
+
+    root = Path(tempfile.mkdtemp(prefix="bench-rescale-io-"))
+    os.environ["ADAPTRAIN_CHECKPOINT_PATH"] = str(root)  # the variable adaptrain.env reads
+    rows = []
+    try:
+        for rep in range(reps):
+            times = {}
+            for variant in ("old", "new") if rep % 2 == 0 else ("new", "old"):
+                if variant == "old":
+                    t0 = time.perf_counter()
+                    sha = _old_save(sd, str(root / "old.pt"))
+                    t1 = time.perf_counter()
+                    _old_load(str(root / "old.pt"), sha)
+                    t2 = time.perf_counter()
+                else:
+                    checkpoint.reset()
+                    Whole()
+                    t0 = time.perf_counter()
+                    checkpoint.save_all_states()
+                    t1 = time.perf_counter()
+                    checkpoint.reset()
+                    state = Whole()
+                    checkpoint.load_state(state)
+                    t2 = time.perf_counter()
+                times[variant] = (t1 - t0, t2 - t1)
+            rows.append(times)
+            print(
+                f"rep {rep}: save old {times['old'][0]:.3f} new {times['new'][0]:.3f}  "
+                f"load old {times['old'][1]:.3f} new {times['new'][1]:.3f}",
+                flush=True,
+            )
+    finally:
+        checkpoint.reset()
+        shutil.rmtree(root, ignore_errors=True)
+    for i, what in enumerate(("save", "load")):
+        ratio = statistics.median(r["new"][i] / r["old"][i] for r in rows)
+        old = statistics.median(r["old"][i] for r in rows)
+        new = statistics.median(r["new"][i] for r in rows)
+        print(
+            f"{what}: new/old = {ratio:.2f} (median of {reps} paired reps; "
+            f"medians old {old:.3f} s, new {new:.3f} s)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
 # Driver
 
 
-def _launch(n: int, share: Path, ckpt: Path, port: int, first_step_only: bool) -> list:
+def _launch(
+    n: int, share: Path, ckpt: Path, port: int, first_step_only: bool, exit_mode: str = "fast"
+) -> list:
     procs = []
     for rank in range(n):
         env = dict(os.environ)
@@ -145,6 +264,7 @@ def _launch(n: int, share: Path, ckpt: Path, port: int, first_step_only: bool) -
             }
         )
         cmd = [sys.executable, __file__, "--worker", "--share", str(share)]
+        cmd += ["--exit-mode", exit_mode]
         if first_step_only:
             cmd.append("--first-step-only")
         procs.append(
@@ -178,7 +298,9 @@ def _wait_all(procs: list, timeout: float) -> list[int]:
     return codes
 
 
-def one_rescale(n_from: int, n_to: int, warm_steps: int, timeout: float) -> dict[str, float]:
+def one_rescale(
+    n_from: int, n_to: int, warm_steps: int, timeout: float, exit_mode: str = "fast"
+) -> dict[str, float]:
     from adaptrain.dist.spawn import free_port
 
     root = Path(tempfile.mkdtemp(prefix="bench-rescale-"))
@@ -189,7 +311,7 @@ def one_rescale(n_from: int, n_to: int, warm_steps: int, timeout: float) -> dict
         from adaptrain.workloads import charlm_datasets
 
         charlm_datasets(seq_len=16, max_chars=200_000, cache_dir=root / "cache")
-        procs = _launch(n_from, old, ckpt, free_port(), first_step_only=False)
+        procs = _launch(n_from, old, ckpt, free_port(), False, exit_mode)
         deadline = time.monotonic() + timeout
         while sum(r["key"] == "step" and r["rank"] == 0 for r in _times(old)) < warm_steps:
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -221,6 +343,8 @@ def one_rescale(n_from: int, n_to: int, warm_steps: int, timeout: float) -> dict
             "exit.teardown": last(o, "sysexit") - last(o, "save_end"),
             "exit.atexit_hooks": last(o, "atexit_last") - last(o, "sysexit"),
             "exit.interpreter": t_exit - last(o, "atexit_last"),
+            "restore.build": last(nw, "built") - last(nw, "group"),
+            "restore.load": last(nw, "restored") - last(nw, "built"),
         }
         marks = [
             t_sig,
@@ -265,9 +389,22 @@ def main() -> None:
     )
     p.add_argument("--warm-steps", type=int, default=3, help="steps before the SIGTERM")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--exit-mode", default="fast", help=argparse.SUPPRESS)
+    p.add_argument("--io-only", action="store_true", help="time the checkpoint save/load path only")
+    p.add_argument(
+        "--exit-modes",
+        nargs="+",
+        default=["fast"],
+        choices=["fast", "full", "immediate"],
+        help="exit modes of the old replicas; several are run paired, in turn, per repetition",
+    )
     args = p.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.io_only:
+        print(f"checkpoint I/O of CharLM(512, GRU 1536) + Adam; load {os.getloadavg()[0]:.1f}")
+        io_only(args.reps)
         return
     import torch
 
@@ -282,30 +419,50 @@ def main() -> None:
     for tr in args.transitions:
         a, b = (int(x) for x in tr.split(":"))
         for rep in range(args.reps):
-            r = one_rescale(a, b, args.warm_steps, args.timeout)
-            results.setdefault(tr, []).append(r)
-            print(
-                f"{a}→{b} rep {rep}: total {r['total']:.2f}s  "
-                + "  ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "total"),
-                flush=True,
-            )
-    print("\nmedian seconds per phase (goal: total ≤ 5 s)")
+            for mode in args.exit_modes:  # paired: every mode once per repetition
+                r = one_rescale(a, b, args.warm_steps, args.timeout, mode)
+                results.setdefault(f"{tr} {mode}", []).append(r)
+                print(
+                    f"{a}→{b} [{mode}] rep {rep}: total {r['total']:.2f}s  "
+                    + "  ".join(f"{k} {v:.2f}" for k, v in r.items() if k != "total"),
+                    flush=True,
+                )
+    print(f"\nmedian seconds per phase (goal: total ≤ 5 s); load now {os.getloadavg()[0]:.1f}")
+    extra = ("exit.interpreter", "restore.build", "restore.load")
     header = (
-        "| transition | " + " | ".join(PHASES) + " | total | checkpoint MB | exit: interpreter |"
+        "| transition | exit mode | "
+        + " | ".join(PHASES)
+        + " | total | checkpoint MB | "
+        + " | ".join(extra)
+        + " |"
     )
     print(header)
-    print("|" + "---|" * (len(PHASES) + 4))
-    for tr, rows in results.items():
+    print("|" + "---|" * (len(PHASES) + 4 + len(extra)))
+    for key, rows in results.items():
+        tr, mode = key.split()
         med = {
             k: statistics.median(r[k] for r in rows)
-            for k in (*PHASES, "total", "checkpoint_mb", "exit.interpreter")
+            for k in (*PHASES, "total", "checkpoint_mb", *extra)
         }
         print(
-            f"| {tr.replace(':', '→')} | "
+            f"| {tr.replace(':', '→')} | {mode} | "
             + " | ".join(f"{med[k]:.2f}" for k in PHASES)
-            + f" | **{med['total']:.2f}** | {med['checkpoint_mb']:.0f} |"
-            + f" {med['exit.interpreter']:.2f} |"
+            + f" | **{med['total']:.2f}** | {med['checkpoint_mb']:.0f} | "
+            + " | ".join(f"{med[k]:.2f}" for k in extra)
+            + " |"
         )
+    if len(args.exit_modes) > 1:
+        base = args.exit_modes[0]
+        for tr in args.transitions:
+            for mode in args.exit_modes[1:]:
+                ratios = [
+                    r["total"] / r0["total"]
+                    for r, r0 in zip(results[f"{tr} {mode}"], results[f"{tr} {base}"], strict=True)
+                ]
+                print(
+                    f"{tr.replace(':', '→')}: total {mode}/{base} = "
+                    f"{statistics.median(ratios):.2f} (median of {len(ratios)} paired reps)"
+                )
 
 
 if __name__ == "__main__":

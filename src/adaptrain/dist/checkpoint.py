@@ -19,6 +19,13 @@ deletes older checkpoints. A reader takes the highest-numbered ``checkpoint-*`` 
 crash at any moment leaves either the old or the new checkpoint, never a half-written one.
 Every file's SHA-256 is checked on load; a mismatch, a bad manifest or a ``load`` that raises
 gives a :class:`RuntimeError` naming the file.
+
+Speed (rescale latency): a State is serialised straight into its file through a writer that
+hashes what passes through (no in-memory copy, no second pass), the manifest is written once per
+checkpoint, and on restart the checksums are verified by a background thread started as soon as
+the checkpoint is chosen (:func:`restore_dir`, called by ``init_process_group``), so that reading
+and hashing overlap the model's construction; :func:`load_state` waits for its file's verdict
+and then hands ``State.load`` the open file (``torch.load`` reads storages straight from it).
 """
 
 from __future__ import annotations
@@ -30,8 +37,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import urllib.parse
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import BinaryIO
 
 import torch.distributed as dist
@@ -61,6 +70,70 @@ _registry: dict[str, State] = {}
 _reset_hooks: list[Callable[[], None]] = []
 _loaded_from: str | None = None  # checkpoint dir this process restores from (fixed once chosen)
 _loaded_from_chosen = False
+_verdicts: dict[str, Future] = {}  # file path -> Future of its SHA-256 (background verification)
+_CHUNK = 1 << 22
+
+
+class _HashingWriter(io.RawIOBase):
+    """Write-only binary stream that forwards to ``raw`` and hashes (SHA-256) what it writes."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        super().__init__()
+        self._raw = raw
+        self._sha = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # noqa: ANN001 - any bytes-like object
+        view = memoryview(b).cast("B")
+        self._sha.update(view)
+        self._raw.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        if not self._raw.closed:
+            self._raw.flush()
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def _sha256_file(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _verify_in_background(ckpt_dir: str) -> None:
+    """Start hashing every file of ``ckpt_dir``'s manifest on a daemon thread (best effort)."""
+    try:
+        entries = _read_manifest(ckpt_dir)["states"].values()
+        paths = [os.path.join(ckpt_dir, e["file"]) for e in entries]
+    except (RuntimeError, KeyError, TypeError):
+        return  # load_state reports the problem when a State asks for its entry
+    jobs = []
+    for path in paths:
+        fut: Future = Future()
+        _verdicts[path] = fut
+        jobs.append((path, fut))
+
+    def work() -> None:
+        for path, fut in jobs:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(_sha256_file(path))
+                except BaseException as exc:  # noqa: BLE001 - handed to load_state
+                    fut.set_exception(exc)
+
+    threading.Thread(target=work, name="adaptrain-checkpoint-verify", daemon=True).start()
 
 
 class State:
@@ -115,6 +188,7 @@ def reset() -> None:
     for hook in list(_reset_hooks):
         hook()
     _registry.clear()
+    _verdicts.clear()
     _loaded_from = None
     _loaded_from_chosen = False
 
@@ -212,6 +286,7 @@ def restore_dir() -> str | None:
         _loaded_from_chosen = True
         if _loaded_from is not None:
             logger.info("restoring from checkpoint %s", _loaded_from)
+            _verify_in_background(_loaded_from)
     return _loaded_from
 
 
@@ -231,25 +306,26 @@ def load_state(state: State) -> bool:
     if entry is None:
         return False
     path = os.path.join(ckpt_dir, entry["file"])
+    verdict = _verdicts.pop(path, None)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        digest = verdict.result() if verdict is not None else _sha256_file(path)
+        f = open(path, "rb")
     except OSError as exc:
         raise RuntimeError(f"corrupt checkpoint: cannot read {path}: {exc}") from exc
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != entry.get("sha256"):
-        raise RuntimeError(
-            f"corrupt checkpoint file {path}: SHA-256 {digest[:12]}... does not match the "
-            f"manifest's {str(entry.get('sha256'))[:12]}...; delete {ckpt_dir} to fall back to "
-            "an older checkpoint or start afresh"
-        )
-    try:
-        state.load(io.BytesIO(data))
-    except Exception as exc:
-        raise RuntimeError(
-            f"could not load state {state.name!r} from checkpoint file {path}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+    with f:
+        if digest != entry.get("sha256"):
+            raise RuntimeError(
+                f"corrupt checkpoint file {path}: SHA-256 {digest[:12]}... does not match the "
+                f"manifest's {str(entry.get('sha256'))[:12]}...; delete {ckpt_dir} to fall back "
+                "to an older checkpoint or start afresh"
+            )
+        try:
+            state.load(f)
+        except Exception as exc:
+            raise RuntimeError(
+                f"could not load state {state.name!r} from checkpoint file {path}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
     return True
 
 
@@ -270,29 +346,29 @@ def save_state(state: State, checkpoint_dir: str, sync: bool = True) -> None:
         raise ValueError(
             f"checkpoint_dir={checkpoint_dir!r} does not exist; create it before saving"
         )
-    buf = io.BytesIO()
-    state.save(buf)
-    data = buf.getvalue()
-    fname = _file_name(state.name)
-    path = os.path.join(checkpoint_dir, fname)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fname, entry = _write_state_file(state, checkpoint_dir)
     mpath = os.path.join(checkpoint_dir, _MANIFEST)
     manifest = (
         _read_manifest(checkpoint_dir)
         if os.path.exists(mpath)
         else {"format": _FORMAT, "states": {}}
     )
-    manifest["states"][state.name] = {
-        "file": fname,
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "size": len(data),
-    }
+    manifest["states"][state.name] = entry
     _write_manifest(checkpoint_dir, manifest)
+
+
+def _write_state_file(state: State, checkpoint_dir: str) -> tuple[str, dict]:
+    """Serialise ``state`` into its (fsynced) file in ``checkpoint_dir``; its manifest entry."""
+    fname = _file_name(state.name)
+    path = os.path.join(checkpoint_dir, fname)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        state.save(writer)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return fname, {"file": fname, "sha256": writer.hexdigest(), "size": writer.size}
 
 
 def save_all_states() -> bool:
@@ -315,10 +391,14 @@ def save_all_states() -> bool:
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        _write_manifest(tmp, {"format": _FORMAT, "states": {}})
+    manifest: dict = {"format": _FORMAT, "states": {}}
     for name in sorted(_registry):  # same order on every replica: sync() may be collective
-        save_state(_registry[name], tmp, sync=True)
+        state = _registry[name]
+        state.sync()
+        if _rank() == 0:
+            manifest["states"][name] = _write_state_file(state, tmp)[1]
     if _rank() == 0:
+        _write_manifest(tmp, manifest)  # last: a directory without it is never renamed
         _fsync_dir(tmp)
         os.rename(tmp, final)
         _fsync_dir(root)
@@ -331,4 +411,5 @@ def save_all_states() -> bool:
     collective.barrier()
     # Later load_state calls in this process see what was just saved.
     _loaded_from, _loaded_from_chosen = final, True
+    _verdicts.clear()
     return True
