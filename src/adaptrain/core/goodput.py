@@ -41,7 +41,6 @@ import logging
 from typing import Any, NamedTuple
 
 import numpy as np
-import scipy.optimize
 
 logger = logging.getLogger(__name__)
 
@@ -544,6 +543,8 @@ def _multi_start(
     Each start first minimises the smooth surrogate, then polishes on the real objective,
     whose RMSE terms have a kink at zero error where L-BFGS-B's line search gives up early.
     """
+    import scipy.optimize  # lazily: ~1 s of import that a restarting replica need not pay
+
     best_f, best_z = np.inf, z_starts[0]
     for z in z_starts:
         candidates = [z]
