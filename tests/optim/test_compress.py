@@ -29,6 +29,7 @@ from adaptrain.core.compress import (
     topk_indices,
     unpack_signs,
 )
+from adaptrain.core.compress.sparsify import cyclic_block_indices
 
 SHAPES = [(6, 4), (5,), (3, 2, 2, 2), (4, 7)]
 
@@ -159,7 +160,29 @@ def test_selection_functions():
     assert topk_indices(x, 100).numel() == 6  # k is clipped to numel
 
 
-@pytest.mark.parametrize("method", ["topk", "randomk", "block"])
+def test_cyclic_block_indices_visit_every_block_once_per_round():
+    numel, k = 23, 5  # 5 blocks, the last one of 3 coordinates
+    for seed in (0, 1):
+        rounds = []
+        for r in range(3):
+            starts = [int(cyclic_block_indices(numel, k, seed, 5 * r + i)[0]) for i in range(5)]
+            assert sorted(starts) == [0, 5, 10, 15, 20]
+            rounds.append(starts)
+        assert len({tuple(x) for x in rounds}) > 1  # the order is redrawn each round
+        assert torch.equal(
+            cyclic_block_indices(numel, k, seed, 7), cyclic_block_indices(23, 5, seed, 7)
+        )
+    assert cyclic_block_indices(numel, k, 0, 4).numel() in (3, 5)
+    # the largest gap between two turns of the same block is below 2·(number of blocks)
+    turns = [int(cyclic_block_indices(numel, k, 3, t)[0]) // k for t in range(60)]
+    for b in range(5):
+        at = [t for t, x in enumerate(turns) if x == b]
+        assert max(j - i for i, j in zip(at, at[1:])) <= 2 * 5 - 1
+    with pytest.raises(ValueError, match="step=-1"):
+        cyclic_block_indices(numel, k, 0, -1)
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "block", "cyclic_block"])
 @pytest.mark.parametrize("workers", [1, 3])
 def test_sparse_memory_keeps_exactly_what_was_not_sent(method, workers):
     shape = (7, 5)

@@ -198,6 +198,15 @@ def _replay_one(rank, ws, kind):
                 world_size=ws,
                 seed=3,
             )
+        if kind == "sparse_cyclic":
+            return CentralizedSparsifiedSGD(
+                m.parameters(),
+                lr=0.1,
+                sparse_grad_size=7,
+                world_size=ws,
+                seed=3,
+                cyclic_blocks=True,
+            )
         if kind == "sign_mv":
             return SignSGD(m.parameters(), lr=0.01, momentum=0.9, majority_vote=True)
         return SignSGD(m.parameters(), lr=0.01, error_feedback=True)
@@ -217,7 +226,7 @@ def _replay_one(rank, ws, kind):
 
 
 def test_compressed_optimizers_identical_replicas_and_replay():
-    kinds = ["powersgd", "sparse", "sign_mv", "sign_ef"]
+    kinds = ["powersgd", "sparse", "sparse_cyclic", "sign_mv", "sign_ef"]
     out = _t(spawn(_replay_worker, 2, args=(kinds,), timeout=240))
     for kind in kinds:
         res = [out[0][kind], out[1][kind]]
@@ -359,6 +368,71 @@ def test_sign_sgd_local_matches_seed_rule():
     assert_close(p.detach(), p1 - 0.1 * torch.sign(buf))
     with pytest.raises(ValueError, match="pick one"):
         SignSGD([p], lr=0.1, majority_vote=True, error_feedback=True)
+
+
+def test_ef_sign_sgd_follows_algorithm_1_of_karimireddy():
+    """EF-SignSGD: q = lr·g + e, Δ = (‖q‖₁/d)·sign(q), p ← p − Δ, e ← q − Δ (one worker)."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(9))
+    opt = SignSGD([p], lr=0.3, error_feedback=True)
+    ref, e = p.detach().clone(), torch.zeros(9)
+    for _ in range(4):
+        g = torch.randn(9)
+        p.grad = g.clone()
+        opt.step()
+        q = 0.3 * g + e
+        delta = q.abs().sum() / 9 * torch.where(q >= 0, 1.0, -1.0)
+        ref, e = ref - delta, q - delta
+        assert_close(p.detach(), ref)
+        assert_close(opt.state[p]["ef_memory"], e)
+
+
+def _digits_final_loss(make, epochs: int = 8, seed: int = 0) -> float:
+    from adaptrain.workloads.digits import DigitsNet, digits_datasets
+
+    x, y = digits_datasets(seed=0)[0].tensors
+    model = DigitsNet(hidden=64, conv=False, seed=seed)
+    opt = make(model.parameters())
+    g = torch.Generator().manual_seed(1 + seed)
+    for _ in range(epochs):
+        perm = torch.randperm(len(y), generator=g)
+        for b in range(len(y) // 64):
+            idx = perm[b * 64 : (b + 1) * 64]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+    with torch.no_grad():
+        return float(torch.nn.functional.cross_entropy(model(x), y))
+
+
+def test_ef_sign_sgd_tracks_sgd_on_digits():
+    """Real data: EF-SignSGD (Algorithm 1, one worker) ends within 0.1 nats of SGD at the same lr
+    after 8 epochs of the digits MLP (measured: 0.062 vs 0.061)."""
+    sgd = _digits_final_loss(lambda p: torch.optim.SGD(p, lr=1.0))
+    ef = _digits_final_loss(lambda p: SignSGD(p, lr=1.0, error_feedback=True))
+    assert sgd < 0.2 and ef <= sgd + 0.1, (sgd, ef)
+
+
+def test_cyclic_block_sparsified_sgd_applies_every_block_once_per_round():
+    """With a constant gradient, each aligned block is applied exactly once per round of
+    ⌈d/k⌉ steps, carrying the memory accumulated since its previous turn."""
+    p = torch.nn.Parameter(torch.zeros(10))
+    opt = SparsifiedSGD([p], lr=0.5, sparse_grad_size=4, cyclic_blocks=True, seed=5)
+    grad = torch.arange(1.0, 11.0)
+    turns = []
+    for _ in range(6):  # 3 blocks (sizes 4, 4, 2) → two full rounds
+        before = p.detach().clone()
+        p.grad = grad.clone()
+        opt.step()
+        changed = (p.detach() != before).nonzero().flatten()
+        assert changed.numel() in (2, 4) and int(changed[0]) % 4 == 0
+        turns.append(int(changed[0]) // 4)
+    assert sorted(turns[:3]) == [0, 1, 2] and sorted(turns[3:]) == [0, 1, 2]
+    # after two rounds, every coordinate has applied exactly the steps up to its last turn
+    last = {b: 1 + max(i for i, t in enumerate(turns) if t == b) for b in range(3)}
+    expected = torch.cat([-0.5 * grad[4 * b : 4 * b + 4] * last[b] for b in range(3)])
+    assert_close(p.detach(), expected)
+    assert_close(opt.state[p]["memory"], 0.5 * grad * 6 + expected)  # input − applied
 
 
 def _fp16_setup(**kw):

@@ -9,6 +9,13 @@ Per parameter, with ``d = grad + weight_decay·p`` and SGD momentum ``b ← μ b
 * ``majority_vote=True``: ``p ← p − lr · sign(Σ_workers sign(u))`` (1 bit/coordinate sent);
 * ``error_feedback=True``: ``q = lr·u + e``, ``c = (‖q‖₁/dim)·sign(q)``, ``e ← q − c``,
   ``p ← p − mean_workers(c)``.
+
+With ``momentum=0`` the error-feedback form is exactly Algorithm 1 (EF-SIGNSGD) of Karimireddy
+et al.; with momentum, the momentum buffer is compressed (as in the authors' reference code).
+Each worker keeps its own residual ``e``; ``sign(0)`` is ``+1`` (1 bit per coordinate), the
+residual corrects it on later steps. On sklearn digits (``benchmarks/bench_convergence.py``)
+the momentum-free form tracks momentum SGD within 0.01 nats from 8 epochs on, while momentum
+0.9 needs about twice the steps (see ``benchmarks/results/compression.md``).
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ mlbench-core's ``SparsifiedSGD`` and ``CentralizedSparsifiedSGD``.
 Per parameter ``p`` (memory ``m``, ``k = sparse_grad_size``)::
 
     a = m + lr · (grad + weight_decay · p)
-    I = random-k (random_sparse=True) or one random block of k coordinates (default),
-        drawn from a generator seeded by (seed + parameter index, step): equal on all workers
+    I = random-k (random_sparse=True), one random block of k coordinates (default), or the
+        next block of a seeded random cycle through all blocks (cyclic_blocks=True), drawn
+        from a generator seeded by (seed + parameter index, step): equal on all workers
     p[I] ← p[I] − mean_workers(a[I])      (sum with average_world=False)
     m ← a with a[I] = 0                     (memory keeps exactly what was not applied)
 
@@ -39,6 +40,10 @@ class SparsifiedSGD(Optimizer):
         sparse_grad_size: number ``k`` of coordinates applied per parameter per step.
         random_sparse: random-k selection instead of a random block (keyword extension).
         seed: selection seed (keyword extension).
+        cyclic_blocks: visit the blocks in a seeded random order without replacement
+            (``"cyclic_block"`` in :func:`~adaptrain.core.compress.sparse_update`) instead of
+            drawing one uniformly each step; bounds each coordinate's delay by ``2⌈d/k⌉ − 1``
+            steps (keyword extension; ignored with ``random_sparse=True``).
     """
 
     def __init__(
@@ -50,6 +55,7 @@ class SparsifiedSGD(Optimizer):
         *,
         random_sparse: bool = False,
         seed: int = 0,
+        cyclic_blocks: bool = False,
     ) -> None:
         if lr is not required and lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
@@ -60,6 +66,7 @@ class SparsifiedSGD(Optimizer):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
         self.num_coordinates = int(sparse_grad_size)
         self.random_sparse = random_sparse
+        self.cyclic_blocks = bool(cyclic_blocks)
         self.seed = int(seed)
         for p in self._params():
             st = self.state[p]
@@ -82,11 +89,16 @@ class SparsifiedSGD(Optimizer):
             SparseState(st["memory"], int(st["sparse_step"]), self.seed + index),
             comm,
             k=self.num_coordinates,
-            method="randomk" if self.random_sparse else "block",
+            method=self._method(),
         )
         st["memory"] = new.memory
         st["sparse_step"] = new.step
         return res
+
+    def _method(self) -> str:
+        if self.random_sparse:
+            return "randomk"
+        return "cyclic_block" if self.cyclic_blocks else "block"
 
     @torch.no_grad()
     def sparsify_gradients(self, param: torch.nn.Parameter, lr: float) -> torch.Tensor:
@@ -156,12 +168,19 @@ class CentralizedSparsifiedSGD(SparsifiedSGD):
         average_world=True,
         *,
         seed: int = 0,
+        cyclic_blocks: bool = False,
         process_group: Any = None,
     ) -> None:
         if params is None:
             raise ValueError("params=None: pass the parameters to optimize")
         super().__init__(
-            params, lr, weight_decay, sparse_grad_size, random_sparse=random_sparse, seed=seed
+            params,
+            lr,
+            weight_decay,
+            sparse_grad_size,
+            random_sparse=random_sparse,
+            seed=seed,
+            cyclic_blocks=cyclic_blocks,
         )
         if world_size != 1:
             group_world_size(world_size, process_group)

@@ -4,13 +4,17 @@
 Per step, on worker ``w`` with input ``x_w`` (e.g. ``lr · grad``) and memory ``m_w``::
 
     a_w  = m_w + x_w
-    I    = select(a_w, k)                # top-k | random-k | one block of k
+    I    = select(a_w, k)                # top-k | random-k | one block of k | cyclic block
     send a_w[I];  m_w ← a_w with a_w[I] set to 0   (memory keeps exactly what was not sent)
     out  = mean_w scatter(I_w, a_w[I_w])
 
 Random-k and block indices come from a generator seeded by ``(seed, step)``: all workers pick
-the same ``I`` and one all-reduce of ``k`` values suffices. Top-k indices differ per worker,
-so values and indices are all-gathered.
+the same ``I`` and one all-reduce of ``k`` values suffices. ``"block"`` draws the block uniformly
+at random every step (each block waits a geometric number of steps, mean ``d/k`` but often
+several times that); ``"cyclic_block"`` visits the ``⌈d/k⌉`` blocks in a seeded random order,
+redrawn every ``⌈d/k⌉`` steps (sampling without replacement), so no coordinate waits more than
+``2⌈d/k⌉ − 1`` steps and the memory never holds more than that many steps of input.
+Top-k indices differ per worker, so values and indices are all-gathered.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ __all__ = [
     "topk_indices",
     "randomk_indices",
     "block_indices",
+    "cyclic_block_indices",
 ]
 
-METHODS = ("topk", "randomk", "block")
+METHODS = ("topk", "randomk", "block", "cyclic_block")
 
 
 class SparseState(NamedTuple):
@@ -52,9 +57,9 @@ class SparseResult(NamedTuple):
     dense_bytes: int
 
 
-def _generator(seed: int, step: int) -> torch.Generator:
+def _generator(seed: int, step: int, salt: int = 0) -> torch.Generator:
     g = torch.Generator(device="cpu")
-    g.manual_seed((seed * 1_000_003 + step) % (2**63 - 1))
+    g.manual_seed((seed * 1_000_003 + step + salt * 0x9E3779B97F4A7C15) % (2**63 - 1))
     return g
 
 
@@ -81,6 +86,21 @@ def block_indices(numel: int, k: int, generator: torch.Generator) -> torch.Tenso
     k = _check_k(k, numel)
     nblocks = -(-numel // k)
     b = int(torch.randint(nblocks, (1,), generator=generator))
+    return torch.arange(b * k, min((b + 1) * k, numel))
+
+
+def cyclic_block_indices(numel: int, k: int, seed: int, step: int) -> torch.Tensor:
+    """Block ``π_e(step mod n)`` of the ``n = ⌈numel/k⌉`` aligned blocks, ``e = step // n``.
+
+    ``π_e`` is a random permutation of the blocks seeded by ``(seed, e)``: every block is taken
+    exactly once in each round of ``n`` consecutive steps.
+    """
+    k = _check_k(k, numel)
+    if step < 0:
+        raise ValueError(f"step={step} must be >= 0")
+    nblocks = -(-numel // k)
+    order = torch.randperm(nblocks, generator=_generator(seed, step // nblocks, salt=1))
+    b = int(order[step % nblocks])
     return torch.arange(b * k, min((b + 1) * k, numel))
 
 
@@ -114,8 +134,10 @@ def sparse_update(
         idx = topk_indices(flat, k)
     elif method == "randomk":
         idx = randomk_indices(flat.numel(), k, _generator(state.seed, state.step))
-    else:
+    elif method == "block":
         idx = block_indices(flat.numel(), k, _generator(state.seed, state.step))
+    else:
+        idx = cyclic_block_indices(flat.numel(), k, state.seed, state.step)
     values = flat[idx].clone()
     out = torch.zeros_like(flat)
     if method == "topk":
