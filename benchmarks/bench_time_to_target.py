@@ -114,13 +114,17 @@ def _run(
     limit: float,
     eval_every: float,
     cache: str,
+    lr0: float | None = None,
+    log_decisions: bool = False,
 ) -> dict:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    cfg = TASKS[task]
+    cfg = dict(TASKS[task])
+    if lr0 is not None:
+        cfg["lr0"] = lr0
     lower_better = task == "charlm"
     adaptdl_torch = None
     if variant == "adaptdl":
@@ -138,6 +142,15 @@ def _run(
         adaptdl_torch.init_process_group("gloo")
     elif variant == "adaptrain":
         import adaptrain.torch as adl
+
+        if log_decisions and rank == 0:
+            import logging
+
+            handler = logging.StreamHandler(sys.stdout)
+            handler.setFormatter(logging.Formatter("    [decision] %(message)s"))
+            decisions = logging.getLogger("adaptrain.torch._metrics")
+            decisions.addHandler(handler)
+            decisions.setLevel(logging.INFO)
 
         adl.init_process_group("gloo")
     else:
@@ -230,6 +243,17 @@ def _run(
     }
 
 
+def _changes(out: dict) -> str:
+    """Batch-size changes seen at the evaluations: ``32@0.0s → 64@3.1s ...``."""
+    seen: list[str] = []
+    last = None
+    for t, b in out["trace"]:
+        if b != last:
+            seen.append(f"{b}@{t}s")
+            last = b
+    return " → ".join(seen) or "-"
+
+
 def _fmt(t: float) -> str:
     return f"{t:.1f}" if math.isfinite(t) else "inf"
 
@@ -249,6 +273,12 @@ def main() -> None:
     )
     p.add_argument("--variants", nargs="+", default=None, help="subset, e.g. fixed-32 adaptrain")
     p.add_argument("--no-adaptdl", action="store_true")
+    p.add_argument(
+        "--log-decisions", action="store_true", help="print adaptrain's batch-size decisions"
+    )
+    p.add_argument(
+        "--lr0", type=float, default=None, help="override the task's base learning rate (at B0)"
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     args = p.parse_args()
 
@@ -290,14 +320,26 @@ def main() -> None:
                 out = spawn(
                     _run,
                     2,
-                    args=(free_port(), task, v, rep, target, args.limit, eval_every, cache),
+                    args=(
+                        free_port(),
+                        task,
+                        v,
+                        rep,
+                        target,
+                        args.limit,
+                        eval_every,
+                        cache,
+                        args.lr0,
+                        args.log_decisions,
+                    ),
                     timeout=args.timeout,
                     init=False,
                 )[0]
                 res[v] = out
                 print(
                     f"  {task} rep {rep} {v:10s}: {_fmt(out['time'])} s, {out['steps']} "
-                    f"steps, batch {out['final_batch']} (max {out['max_batch']})",
+                    f"steps, batch {out['final_batch']} (max {out['max_batch']})"
+                    + ("" if v.startswith("fixed-") else f", batch at evals: {_changes(out)}"),
                     flush=True,
                 )
             per_rep.append(res)

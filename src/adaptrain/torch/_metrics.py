@@ -5,11 +5,17 @@ The :class:`~adaptrain.torch.data.AdaptiveDataLoader` brackets every micro-batch
 the all-reduce wait (:func:`profile_sync_time`), the noise-scale statistics
 (:func:`update_grad_params`) and the progress (:func:`update_progress`). The profile is kept per
 configuration ``(num_nodes, num_replicas, atomic_bsz)`` as sums and counts of accumulation-step
-and optimizer-step times; :func:`get_goodput_fn` refits
+and optimizer-step times; :func:`get_goodput_fn` fits
 :class:`~adaptrain.core.goodput.PerfParams` with :func:`~adaptrain.core.goodput.fit_perf_params`
-whenever new optimizer steps were profiled, and :func:`suggest_batch_size` maximises
-:meth:`GoodputFunction.optimize` with hysteresis: it proposes a new ``(atomic_bsz, accum_steps)``
-only if the predicted goodput beats the current configuration's by ``min_improvement`` (5%).
+to the configurations with at least :data:`MIN_SAMPLES` optimizer steps (refitting when one
+newly qualifies or after :data:`REFIT_SAMPLES` new steps), and :func:`suggest_batch_size`
+maximises :meth:`GoodputFunction.optimize` within a bounded step (:data:`MAX_STEP`) of what was
+measured. It proposes a new ``(atomic_bsz, accum_steps)`` only after the current configuration
+has been measured, if the predicted goodput beats the current one by ``min_improvement`` (5%;
+plus :data:`UNDO_MARGIN` to return to the configuration just left), or, while one micro-batch
+size has been profiled, to explore the step up when the prior predicts it within
+:data:`EXPLORE_TOLERANCE` of the current goodput. Pollux (Qiao et al., OSDI 2021) explores
+through its scheduler instead; these rules stand in for it in a single job.
 
 Like AdaptDL, the non-synchronising part of an optimizer step (step time − sync time) counts as
 an accumulation-step sample, so a job that never accumulates still fits the compute model.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -45,6 +52,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Optimizer steps profiled at a configuration before it enters the fit (and before leaving it).
+MIN_SAMPLES = 10
+#: Largest factor of one move (total batch, and micro-batch beyond the largest profiled one).
+MAX_STEP = 2.0
+#: Exploration tries the bounded step up if predicted ≥ (1 − this) × the current goodput.
+EXPLORE_TOLERANCE = 0.1
+#: Extra predicted gain needed to return to the configuration the job just left.
+UNDO_MARGIN = 0.1
+#: New optimizer steps of the fitted configurations that trigger a refit.
+REFIT_SAMPLES = 20
+
 _FIELDS = ("accum_step_time", "accum_count", "optim_step_time", "optim_sync_time", "optim_count")
 
 
@@ -59,7 +77,14 @@ class _MetricsState(_checkpoint.State):
         self.local_bsz_bounds: tuple[int, int] | None = None
         self.gradient_accumulation = False
         self.progress = 0.0
-        self.dirty = False  # profile changed since the last fit
+        # Decision history (checkpointed): the configuration of the last suggestion call and
+        # the one before the last move, as (nodes, replicas, atomic_bsz, accum_steps).
+        self.last_config: tuple[int, int, int, int] | None = None
+        self.previous_config: tuple[int, int, int, int] | None = None
+        # What the current perf_params were fitted on (not checkpointed: refit after a load).
+        self.fit_keys: tuple[tuple[int, int, int], ...] | None = None
+        self.fit_total = 0
+        self.fit_min_samples = 0
         # Not checkpointed: the step being timed.
         self.atomic_bsz: int | None = None
         self.step_start: float | None = None
@@ -77,6 +102,8 @@ class _MetricsState(_checkpoint.State):
             else list(self.local_bsz_bounds),
             "gradient_accumulation": self.gradient_accumulation,
             "progress": self.progress,
+            "last_config": None if self.last_config is None else list(self.last_config),
+            "previous_config": None if self.previous_config is None else list(self.previous_config),
         }
 
     def from_dict(self, d: dict[str, Any]) -> None:
@@ -92,7 +119,10 @@ class _MetricsState(_checkpoint.State):
         self.local_bsz_bounds = None if b is None else (b[0], b[1])
         self.gradient_accumulation = bool(d["gradient_accumulation"])
         self.progress = float(d["progress"])
-        self.dirty = False
+        last, prev = d.get("last_config"), d.get("previous_config")
+        self.last_config = None if last is None else tuple(int(x) for x in last)
+        self.previous_config = None if prev is None else tuple(int(x) for x in prev)
+        self.fit_keys, self.fit_total, self.fit_min_samples = None, 0, 0
 
     def save(self, fileobj: Any) -> None:
         fileobj.write(json.dumps(self.to_dict()).encode())
@@ -195,7 +225,6 @@ def _record(
         rec["optim_step_time"] += step_time
         rec["optim_sync_time"] += min(sync_time, step_time)
         rec["optim_count"] += 1
-        s.dirty = True
 
 
 def update_grad_params(sqr: float, var: float) -> None:
@@ -212,9 +241,17 @@ def get_progress() -> float:
     return _state().progress
 
 
-def _fit_perf_params() -> None:
+def _qualified(min_samples: int) -> list[tuple[tuple[int, int, int], dict[str, float]]]:
+    """Profiled configurations with at least ``min_samples`` optimizer steps, in key order."""
+    return sorted(
+        (k, v) for k, v in _state().profile.items() if v["optim_count"] >= max(min_samples, 1)
+    )
+
+
+def _fit_perf_params(min_samples: int = 1) -> None:
+    """Refit PerfParams to the configurations with ≥ ``min_samples`` optimizer steps."""
     s = _state()
-    rows = [(k, v) for k, v in s.profile.items() if v["optim_count"] > 0]
+    rows = _qualified(min_samples)
     if not rows:
         return
     nodes, replicas, bsz = (np.array(x) for x in zip(*(k for k, _ in rows)))
@@ -226,17 +263,36 @@ def _fit_perf_params() -> None:
     accum = np.clip(accum, 1e-9, None)
     optim = np.maximum(optim, accum)
     s.perf_params = fit_perf_params(nodes, replicas, bsz, accum, optim)
-    s.dirty = False
+    s.fit_keys = tuple(k for k, _ in rows)
+    s.fit_total = int(sum(r["optim_count"] for _, r in rows))
+    s.fit_min_samples = int(min_samples)
 
 
-def get_goodput_fn() -> GoodputFunction | None:
-    """The goodput model fitted to this job's profile, or None until there is enough data."""
+def get_goodput_fn(
+    min_samples: int = MIN_SAMPLES, refit_samples: int = REFIT_SAMPLES
+) -> GoodputFunction | None:
+    """The goodput model fitted to this job's profile, or None until there is enough data.
+
+    Only configurations with at least ``min_samples`` profiled optimizer steps enter the fit.
+    The model is refitted when a configuration newly qualifies, or once ``refit_samples`` new
+    optimizer steps of the qualified configurations have been profiled since the last fit.
+    The defaults are those of :func:`suggest_batch_size`, so both see the same cached model.
+    """
     s = _state()
     if s.grad_params is None or s.init_batch_size is None:
         return None
-    if s.dirty or s.perf_params is None:
+    rows = _qualified(min_samples)
+    keys = tuple(k for k, _ in rows)
+    total = int(sum(r["optim_count"] for _, r in rows))
+    stale = (
+        s.perf_params is None
+        or s.fit_keys != keys
+        or s.fit_min_samples != int(min_samples)
+        or total - s.fit_total >= max(int(refit_samples), 1)
+    )
+    if rows and stale:
         try:
-            _fit_perf_params()
+            _fit_perf_params(min_samples)
         except ValueError as exc:  # degenerate profile (e.g. zero times): wait for more data
             logger.debug("perf params not fitted yet: %s", exc)
     if s.perf_params is None:
@@ -250,13 +306,35 @@ def suggest_batch_size(
     current_atomic_bsz: int,
     current_accum_steps: int,
     min_improvement: float = 0.05,
+    *,
+    min_samples: int = MIN_SAMPLES,
+    max_step: float = MAX_STEP,
+    explore_tolerance: float = EXPLORE_TOLERANCE,
+    undo_margin: float = UNDO_MARGIN,
+    refit_samples: int = REFIT_SAMPLES,
 ) -> tuple[int, int] | None:
     """Best ``(atomic_bsz, accum_steps)`` if it beats the current one by ``min_improvement``.
 
     ``accum_steps`` counts micro-batches per optimizer step (≥ 1). Returns None when batch-size
     adaptation is off (no ``max_batch_size`` above the initial batch), the model is not fitted
-    yet, or the predicted gain ``goodput_best / goodput_current − 1`` is below
-    ``min_improvement`` (hysteresis against thrashing).
+    yet, or no move passes the rules below. Rules against thrashing and blind jumps:
+
+    * **Evidence first.** Nothing moves until the current configuration has ``min_samples``
+      profiled optimizer steps, and only configurations with that many steps enter the fit of
+      the step-time model (a size tried for a few noisy steps cannot flip the decision).
+      The fit is redone when a configuration qualifies or after ``refit_samples`` new steps.
+    * **Bounded step.** A move may change the total batch by at most ``max_step``× (a single
+      replica entering accumulation: ``2·max_step``×, it needs two micro-batches) and may
+      use micro-batches at most ``max_step``× the largest profiled one on this replica count:
+      the model extrapolates at most that far beyond what was measured.
+    * **Hysteresis.** A move needs a predicted gain ``goodput_best / goodput_current − 1`` of
+      at least ``min_improvement``; returning to the configuration this job just left needs
+      ``min_improvement + undo_margin`` (no 32 → 52 → 32 flips on timing noise).
+    * **Exploration.** While only one micro-batch size has been profiled on this replica
+      count, the step-time model rests on AdaptDL's prior (half of the step is fixed cost).
+      Then the bounded step up is *tried* if its predicted goodput is at least
+      ``1 − explore_tolerance`` of the current one, so that the next fit has two sizes to
+      draw a compute line through instead of a prior.
     """
     if min_improvement < 0:
         raise ValueError(f"min_improvement={min_improvement} must be ≥ 0")
@@ -265,34 +343,88 @@ def suggest_batch_size(
             f"current_atomic_bsz={current_atomic_bsz} and current_accum_steps="
             f"{current_accum_steps} must be ≥ 1 (accum_steps counts micro-batches per step)"
         )
+    if max_step <= 1:
+        raise ValueError(f"max_step={max_step} must be > 1 (factor of one bounded move)")
+    if not 0 <= explore_tolerance < 1 or undo_margin < 0:
+        raise ValueError(
+            f"explore_tolerance={explore_tolerance} must lie in [0, 1) and "
+            f"undo_margin={undo_margin} must be ≥ 0"
+        )
     s = _state()
     if s.max_batch_size is None or s.init_batch_size is None:
         return None
-    fn = get_goodput_fn()
+    current = (int(num_nodes), int(num_replicas), int(current_atomic_bsz), int(current_accum_steps))
+    if s.last_config is not None and s.last_config != current:
+        s.previous_config = s.last_config  # the job moved since the last call
+    s.last_config = current
+    rec = s.profile.get(current[:3])
+    if rec is None or rec["optim_count"] < max(min_samples, 1):
+        return None  # dwell: measure the current configuration first
+    fn = get_goodput_fn(min_samples, refit_samples)
     if fn is None:
         return None
+    profiled = [k[2] for k, _ in _qualified(min_samples) if k[:2] == current[:2]]
+    largest = max(profiled, default=current[2])
+    lo, hi = s.local_bsz_bounds or (None, None)
+    cap = int(max_step * largest)
+    hi = max(cap if hi is None else min(hi, cap), lo or 1)  # never below the user's minimum
+    lo = lo or 1
+    total = num_replicas * current_atomic_bsz * current_accum_steps
+    step_total = max_step * total
+    if num_replicas == 1 and current_accum_steps == 1 and s.gradient_accumulation:
+        step_total *= 2  # a single replica grows through ≥ 2 micro-batches (noise estimate)
+    max_batch = max(min(s.max_batch_size, int(step_total)), s.init_batch_size)
     best, atomic, extra = fn.optimize(
         num_nodes,
         num_replicas,
-        max_batch_size=s.max_batch_size,
-        atomic_bsz_range=s.local_bsz_bounds,
+        max_batch_size=max_batch,
+        atomic_bsz_range=(lo, hi),
         accumulation=s.gradient_accumulation,
     )
     atomic, accum = int(atomic), int(extra) + 1
-    if (atomic, accum) == (int(current_atomic_bsz), int(current_accum_steps)) or best <= 0:
-        return None
-    current = float(
-        fn.evaluate(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1)
-    )
-    if np.isfinite(current) and current > 0 and best < current * (1.0 + min_improvement):
+    now = float(fn.evaluate(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1))
+    if not (np.isfinite(now) and now > 0):
+        now = 0.0
+    reason = "predicted gain"
+    if (atomic, accum) == current[2:] or best <= 0:
+        atomic = accum = 0
+    elif best < now * (1.0 + min_improvement):
+        atomic = accum = 0
+    elif s.previous_config == (*current[:2], atomic, accum) and best < now * (
+        1.0 + min_improvement + undo_margin
+    ):
+        atomic = accum = 0
+    if not atomic and len(set(profiled)) <= 1 and max_batch > total:
+        # Exploration: one bounded step up, to measure a second size.
+        up = min(max_batch, int(step_total))
+        cand = _configuration(up, num_replicas, hi, s.gradient_accumulation)
+        if cand is not None and cand[0] not in profiled:
+            value = float(fn.evaluate(num_nodes, num_replicas, cand[0], cand[1] - 1))
+            if value >= (1.0 - explore_tolerance) * now:
+                atomic, accum, best, reason = cand[0], cand[1], value, "exploration"
+    if not atomic:
         return None
     logger.info(
-        "batch size: (atomic %d × %d) → (atomic %d × %d), predicted goodput %.4g → %.4g",
+        "batch size: (atomic %d × %d) → (atomic %d × %d), predicted goodput %.4g → %.4g (%s)",
         current_atomic_bsz,
         current_accum_steps,
         atomic,
         accum,
-        current,
+        now,
         best,
+        reason,
     )
     return atomic, accum
+
+
+def _configuration(
+    batch: int, num_replicas: int, max_atomic: int, accumulation: bool
+) -> tuple[int, int] | None:
+    """``(atomic_bsz, accum_steps)`` for a total ``batch`` (micro-batch ≤ ``max_atomic``)."""
+    local = math.ceil(batch / num_replicas)
+    accum = 1
+    if local > max_atomic:
+        if not accumulation:
+            return None
+        accum = math.ceil(local / max_atomic)
+    return math.ceil(local / accum), accum
