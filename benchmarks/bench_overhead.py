@@ -171,14 +171,17 @@ def main(argv: list[str] | None = None) -> int:
             )
             f.write(
                 "\nWhere ADP's time goes (per optimizer step, R = 2): a Python DDP communication "
-                "hook instead of DDP's C++ all-reduce; per bucket one BLAS dot before the "
-                "all-reduce (local norm²) and one after (norm² of the mean); the replicas' "
-                "local norms ride on the smallest bucket's all-reduce of the next step (a copy "
-                "of that bucket, no extra collective); in the optimizer's step pre-hook the "
-                "previous step's sample is folded into the EMAs and the lr scaled; the post-hook "
-                "restores it. The dots are memory-bound O(parameters); the rest is a fixed "
-                "Python cost of roughly 0.1-0.3 ms per step on this loaded machine, which "
-                "dominates at millisecond step times.\n"
+                "hook instead of DDP's C++ all-reduce (the column above); per bucket one BLAS dot "
+                "(local norm²) in the hook and one (norm² of the averaged bucket) in the "
+                "optimizer's step pre-hook; the replicas' local norms ride on the smallest "
+                "bucket's all-reduce of the next step (no extra collective): that bucket is "
+                "divided straight into one of two reused send buffers, its local dot runs while "
+                "its all-reduce is in flight, and the norm² of its averaged output is taken "
+                "during the next step's all-reduce; the previous step's sample is folded into "
+                "the EMAs in Python floats (no numpy, no tensor allocation) and the lr scaled "
+                "by the scaling rule's step hooks. The dots are memory-bound O(parameters); the "
+                "rest is a fixed Python cost of some tens of µs per step, which matters only at "
+                "millisecond step times.\n"
             )
     return 0
 

@@ -72,7 +72,14 @@ def _isfinite_scalar(x: Any) -> bool:
 
 def is_finite(*values: Any) -> bool:
     """True when every value (float, array or tensor) is finite."""
-    return all(_isfinite_scalar(v) for v in values)
+    for v in values:
+        # fast path for Python numbers (no numpy round trip: ~0.1 µs instead of ~5 µs)
+        if type(v) is float or type(v) is int:
+            if not math.isfinite(v):
+                return False
+        elif not _isfinite_scalar(v):
+            return False
+    return True
 
 
 def unbiased_estimate(
@@ -182,6 +189,16 @@ def ema_update(state: EMAState, value: Any, smoothing: float) -> EMAState:
     """
     if not 0.0 <= smoothing < 1.0:
         raise ValueError(f"smoothing={smoothing} must lie in [0, 1)")
+    if type(value) is float and type(state.biased) is float:
+        # fast path for Python floats (the noise-scale tracker's per-step call): the same
+        # IEEE-double arithmetic as below, without numpy/torch dispatch
+        if not math.isfinite(value):
+            return state
+        return EMAState(
+            smoothing * state.biased + (1.0 - smoothing) * value,
+            smoothing * state.weight + (1.0 - smoothing),
+            state.count + 1,
+        )
     if not is_finite(value):
         return state
     biased = smoothing * state.biased + (1.0 - smoothing) * value

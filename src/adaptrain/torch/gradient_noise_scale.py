@@ -14,7 +14,8 @@ sees every gradient bucket once per optimizer step,
   collective.
 
 Once per step (:meth:`GradientNoiseScale.finish_step`, in the optimizer's step pre-hook) the
-norm² of the averaged buckets is taken, the values are unscaled by the mixed-precision loss
+norm² of the averaged buckets is taken (that of the carrying bucket during the next step's
+all-reduce, from the second of two send buffers used in turn), the values are unscaled by the mixed-precision loss
 scale², and the *previous* step's measurements (whose replica sum has arrived meanwhile) become
 unbiased samples by :func:`adaptrain.core.gns.unbiased_estimate` with ``count = R`` (the
 accumulated local gradient of each replica is one sample of ``local_bsz·accum_steps``
@@ -27,7 +28,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -59,8 +59,48 @@ def _decode(t: torch.Tensor) -> float:
     return hi + lo
 
 
+class _SendBuffer:
+    """A reused ``n + 2`` element send buffer for the bucket that carries the previous norms.
+
+    ``head`` (the first ``n`` elements, storage offset 0 as DDP needs) receives the bucket,
+    ``tail`` the carried value as a (high, low) float pair. On the CPU ``tail_np`` is a numpy
+    view of ``tail``: writing and reading two floats through it costs ~0.1 µs instead of a
+    tensor allocation and two dispatches.
+    """
+
+    __slots__ = ("n", "dtype", "big", "head", "tail", "tail_np")
+
+    def __init__(self, n: int, like: torch.Tensor) -> None:
+        self.n = n
+        self.dtype = like.dtype
+        self.big = torch.empty(n + 2, dtype=like.dtype, device=like.device)
+        self.head = self.big[:n]
+        self.tail = self.big[n:]
+        self.tail_np = self.tail.numpy() if like.device.type == "cpu" else None
+
+    def put_carry(self, x: float) -> None:
+        t = self.tail_np
+        if t is not None:
+            t[0] = x  # rounds to the buffer's dtype: the high part
+            t[1] = x - float(t[0])
+        else:
+            self.tail.copy_(_encode(x).to(self.dtype))
+
+    def get_carry(self) -> float:
+        t = self.tail_np
+        if t is not None:
+            return float(t[0]) + float(t[1])
+        return _decode(self.tail.double())
+
+
 class _HookState:
-    """Per-step buffers shared by the communication hook and the estimator (not checkpointed)."""
+    """Per-step buffers shared by the communication hook and the estimator (not checkpointed).
+
+    With ``R ≥ 2`` replicas the hook appends one 0-dim tensor per bucket to ``local``
+    (``|g_i|²/R²`` before the all-reduce) and its all-reduce output to ``results`` (in hook
+    order, so every replica sums in the same order); the future's callback marks completion in
+    ``done``. Plain lists, reduced once per step in :meth:`GradientNoiseScale.finish_step`.
+    """
 
     def __init__(self, process_group: Any, world_size: int) -> None:
         self.process_group = process_group
@@ -69,29 +109,68 @@ class _HookState:
         self.divisor = float(world_size)  # replicas × loader accumulation steps
         self.scaler: Any = None  # the enabled GradScaler of this step, if any
         self.inv_scale: torch.Tensor | None = None  # 1 / loss scale, captured at hook time
-        self.local: dict[int, torch.Tensor] = {}  # |bucket|² before the all-reduce
-        self.results: dict[int, torch.Tensor] = {}  # the all-reduced buckets (R ≥ 2)
+        self.local: list[torch.Tensor] = []  # |bucket / divisor|² before the all-reduce (R ≥ 2)
+        self.local_raw: list[torch.Tensor] = []  # |bucket|² of the carrying bucket (undivided)
+        self.results: list[torch.Tensor] = []  # the buckets' all-reduce outputs (R ≥ 2)
+        self.done: list[bool] = []  # one entry per completed all-reduce (R ≥ 2)
+        # single replica: per bucket index
+        self.local1: dict[int, torch.Tensor] = {}
         self.prev_sq: dict[int, torch.Tensor] = {}
         self.cross: dict[int, torch.Tensor] = {}
-        self.prev: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}  # single replica
+        self.prev: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
         self.num_buckets_seen = 0
         # The previous step's local norm², piggybacked on this step's smallest bucket (R ≥ 2).
-        self.carry: torch.Tensor | None = None
-        self.carried: torch.Tensor | None = None  # ... and its all-reduced value
-        self.send: dict[int, torch.Tensor] = {}  # reused send buffers of carrying buckets
-        self.sizes: dict[int, int] = {}  # bucket sizes seen this step
+        self.carry: float | None = None
+        self.carried: float | None = None  # ... and its all-reduced value
+        # Reused send buffers of carrying buckets, two per bucket used in turn (key: index,
+        # parity), so that the last carrying bucket's output survives the next step's hook.
+        self.send: dict[tuple[int, int], _SendBuffer] = {}
+        self.parity = 0
+        self.carry_head: torch.Tensor | None = None  # this step's carrying-bucket output
+        # The previous step's carrying-bucket output whose norm² is still to be taken (the next
+        # carrying hook takes it while its all-reduce runs), and that norm².
+        self.deferred: torch.Tensor | None = None
+        self.deferred_norm: torch.Tensor | None = None
+        self.min_size = -1  # size and index of the smallest bucket seen this step
+        self.min_idx = -1
         self.carry_idx: int | None = None  # the smallest bucket carries (cheapest copy)
         self.t_last_hook = 0.0  # when the last bucket was handed to the hook
         self.t_done = 0.0  # when its all-reduce completed
 
     def reset_step(self) -> None:
-        self.local = {}
-        self.results = {}
-        self.prev_sq = {}
-        self.cross = {}
+        self.local = []
+        self.local_raw = []
+        self.results = []
+        self.done = []
+        self.carry_head = None
+        if self.world_size == 1:
+            self.local1 = {}
+            self.prev_sq = {}
+            self.cross = {}
         self.inv_scale = None
         self.num_buckets_seen = 0
-        self.sizes = {}
+        self.min_size = -1
+        self.min_idx = -1
+
+
+def _first(f: torch.futures.Future) -> torch.Tensor:
+    return f.value()[0]
+
+
+def _hook_single(state: _HookState, bucket: Any, buf: torch.Tensor, idx: int) -> None:
+    """Single replica: norms of this step's and the previous step's bucket and their dot."""
+    inv = state.inv_scale
+    cur = buf if inv is None else buf * inv.to(buf.dtype)
+    # DDP may rebuild its buckets (other parameter order): compare like with like.
+    layout = tuple(id(p) for p in bucket.parameters())
+    sig, prev = state.prev.get(idx, (None, None))
+    if prev is not None and sig == layout and prev.shape == cur.shape:
+        state.local1[idx] = _sqnorm(cur)
+        state.prev_sq[idx] = _sqnorm(prev)
+        state.cross[idx] = torch.dot(cur.float(), prev.float())
+        prev.copy_(cur)
+    else:
+        state.prev[idx] = (layout, cur.detach().clone())
 
 
 def gns_allreduce_hook(state, bucket):  # no annotations: DDP checks them literally
@@ -100,18 +179,20 @@ def gns_allreduce_hook(state, bucket):  # no annotations: DDP checks them litera
     Divides the bucket by ``state.divisor`` (replicas × loader accumulation steps, so that the
     update is the mean gradient, as AdaptDL's accumulation does), records ``|bucket|²``, and
     all-reduces it; the smallest bucket of a step also carries the previous step's local norm²
-    (two extra float32 elements), so no collective is added. Gradients are bit-identical to
-    DDP's default hook when ``divisor`` is the world size.
+    (two extra elements), so no collective is added. The outputs of the all-reduces are
+    recorded (in hook order) for :meth:`GradientNoiseScale.finish_step`. Gradients are
+    bit-identical to DDP's default hook when ``divisor`` is the world size.
+
+    Per bucket and step this costs one BLAS dot on top of torch's Python ``allreduce_hook``.
+    The carrying bucket is divided straight into the reused send buffer (one pass instead of
+    divide + copy), and its local norm² is taken from the undivided bucket *after* its
+    all-reduce is launched, overlapping the communication.
     """
     buf = bucket.buffer()
-    buf.div_(state.divisor)
     group = state.process_group
     if not state.enabled:
-        return (
-            dist.all_reduce(buf, group=group, async_op=True)
-            .get_future()
-            .then(lambda f: f.value()[0])
-        )
+        buf.div_(state.divisor)
+        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(_first)
     idx = bucket.index()
     state.num_buckets_seen += 1
     if state.scaler is not None and state.inv_scale is None:
@@ -121,58 +202,56 @@ def gns_allreduce_hook(state, bucket):  # no annotations: DDP checks them litera
         if scale is not None:
             state.inv_scale = 1.0 / scale.detach().double()
     if state.world_size == 1:
-        inv = state.inv_scale
-        cur = buf if inv is None else buf * inv.to(buf.dtype)
-        # DDP may rebuild its buckets (other parameter order): compare like with like.
-        layout = tuple(id(p) for p in bucket.parameters())
-        sig, prev = state.prev.get(idx, (None, None))
-        if prev is not None and sig == layout and prev.shape == cur.shape:
-            state.local[idx] = _sqnorm(cur)
-            state.prev_sq[idx] = _sqnorm(prev)
-            state.cross[idx] = torch.dot(cur.float(), prev.float())
-            prev.copy_(cur)
-        else:
-            state.prev[idx] = (layout, cur.detach().clone())
-        return (
-            dist.all_reduce(buf, group=group, async_op=True)
-            .get_future()
-            .then(lambda f: f.value()[0])
-        )
-    state.local[idx] = _sqnorm(buf)  # = |g_i|² / R²
+        buf.div_(state.divisor)
+        _hook_single(state, bucket, buf, idx)
+        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(_first)
+    float_buf = buf.dtype is torch.float32 or buf.dtype is torch.float64
+    done = state.done
     is_last = bucket.is_last()
     if is_last:
         state.t_last_hook = time.perf_counter()
-    state.sizes[idx] = buf.numel()
+    n = buf.numel()
+    if state.min_size < 0 or n < state.min_size:
+        state.min_size, state.min_idx = n, idx
     carry = state.carry
-    if (
-        carry is not None
-        and (state.carry_idx is None or idx == state.carry_idx)
-        and buf.dtype in (torch.float32, torch.float64)
-    ):
+    if carry is not None and float_buf and (state.carry_idx is None or idx == state.carry_idx):
         state.carry = None
-        n = buf.numel()
-        big = state.send.get(idx)
-        if big is None or big.numel() != n + 2 or big.dtype != buf.dtype:
-            big = state.send[idx] = torch.empty(n + 2, dtype=buf.dtype, device=buf.device)
-        big[:n].copy_(buf)  # a reused buffer: no large allocation per step
-        big[n:].copy_(carry)
+        state.parity ^= 1
+        key = (idx, state.parity)
+        sb = state.send.get(key)
+        if sb is None or sb.n != n or sb.dtype != buf.dtype:
+            sb = state.send[key] = _SendBuffer(n, buf)
+        head = sb.head
+        torch.div(buf, state.divisor, out=head)  # the same kernel and rounding as div_
+        sb.put_carry(carry)
+        state.carry_head = head  # its norm² is taken during the next step's carrying hook
 
         def _split(f: torch.futures.Future) -> torch.Tensor:
-            out = f.value()[0]
-            state.carried = out[n:].clone()  # the buffer is reused next step
-            state.results[idx] = out[:n]  # a prefix view: storage offset 0, as DDP needs
+            state.carried = sb.get_carry()  # read now: the buffer is reused next step
+            done.append(is_last)
             if is_last:
                 state.t_done = time.perf_counter()
-            return out[:n]
+            return head
 
-        return dist.all_reduce(big, group=group, async_op=True).get_future().then(_split)
+        fut = dist.all_reduce(sb.big, group=group, async_op=True).get_future().then(_split)
+        # While the all-reduce runs: |g_i|² of the undivided bucket (untouched by it), and
+        # |mean g|² of the previous step's carrying bucket (in the other send buffer).
+        state.local_raw.append(torch.dot(buf, buf))
+        prev = state.deferred
+        if prev is not None:
+            state.deferred_norm = torch.dot(prev, prev)
+            state.deferred = None
+        return fut
+
+    buf.div_(state.divisor)
+    state.local.append(torch.dot(buf, buf) if float_buf else _sqnorm(buf))  # = |g_i|² / R²
+    state.results.append(buf)  # all-reduced in place
 
     def _keep(f: torch.futures.Future) -> torch.Tensor:
-        out = f.value()[0]
-        state.results[idx] = out
+        done.append(is_last)
         if is_last:
             state.t_done = time.perf_counter()
-        return out
+        return f.value()[0]
 
     return dist.all_reduce(buf, group=group, async_op=True).get_future().then(_keep)
 
@@ -232,7 +311,7 @@ class GradientNoiseScale:
         self._biased = False
         self._prev_scale: float | None = None
         self._hook_state: _HookState | None = None
-        self._pending: SimpleNamespace | None = None  # last step's measurements, not folded yet
+        self._pending: tuple | None = None  # last step's measurements, not folded yet
 
     # ----- AdaptDL-compatible accessors -------------------------------------------------------
     @property
@@ -340,60 +419,97 @@ class GradientNoiseScale:
         """
         hs = self._hook_state
         self._accum_count = 0
-        taken = self._fold_pending(collective_ok=True)
+        taken = self._fold_pending() if self._pending is not None else False
         if hs is not None and hs.enabled and hs.num_buckets_seen > 0:
-            self._pending = self._package(hs, scale)
+            pend = self._pending = self._package(hs, scale)
             if hs.world_size > 1:
-                hs.carry = _encode(self._pending.local)
-                if hs.sizes:
-                    hs.carry_idx = min(hs.sizes, key=hs.sizes.__getitem__)
+                hs.carry = pend[2]
+                if hs.min_idx >= 0:
+                    hs.carry_idx = hs.min_idx
             hs.reset_step()  # consumed: a second optimizer.step() must not count it again
         return taken
 
     def flush(self) -> bool:
         """Fold the pending step in now. Collective: call it on every replica at once."""
-        taken = self._fold_pending(collective_ok=True)
+        taken = self._fold_pending()
         if self._hook_state is not None:
             self._hook_state.carry = None
         return taken
 
-    def _package(self, hs: _HookState, scale: float) -> SimpleNamespace:
+    def _package(self, hs: _HookState, scale: float) -> tuple:
+        """This step's raw measurements as Python floats.
+
+        ``(R, complete, local, total, scale, head, inv2)`` for ``R ≥ 2`` (``local`` is this
+        replica's ``|g_i|²``, still to be averaged over the replicas; ``total`` lacks the norm²
+        of ``head``, the carrying bucket's output, and the loss-scale factor ``inv2``) and ``(1, complete, scale, cur,
+        prev, cross)`` for a single replica.
+        """
         inv2 = 1.0 if hs.inv_scale is None else float(hs.inv_scale) ** 2
         ws = hs.world_size
         if ws > 1:
-            complete = bool(hs.local) and len(hs.results) == len(hs.local)
-            local = sum(float(v) for v in hs.local.values()) * ws * ws * inv2
-            total = sum(float(_sqnorm(r)) for r in hs.results.values()) * inv2
-            return SimpleNamespace(
-                world_size=ws, complete=complete, local=local, total=total, scale=float(scale)
-            )
-        complete = bool(hs.local) and len(hs.local) == hs.num_buckets_seen
-        return SimpleNamespace(
-            world_size=1,
-            complete=complete,
-            scale=float(scale),
-            cur=sum(float(v) for v in hs.local.values()),
-            prev=sum(float(v) for v in hs.prev_sq.values()),
-            cross=sum(float(v) for v in hs.cross.values()),
+            loc, raw, res = hs.local, hs.local_raw, hs.results
+            n_local = len(loc) + len(raw)
+            complete = n_local > 0 and len(hs.done) == n_local
+            local = sum([float(v) for v in loc])
+            if raw:
+                local += sum([float(v) for v in raw]) / (hs.divisor * hs.divisor)
+            local *= ws * ws * inv2
+            # the norms of the averaged buckets are taken here, on the main thread: in the
+            # future's callback the BLAS dot might run on another thread with another
+            # summation order, and the replicas would disagree in the last bits
+            total = sum([float(_sqnorm(r)) for r in res])
+            head = hs.carry_head
+            if head is not None:  # its norm² is taken later (see gns_allreduce_hook)
+                hs.deferred, hs.deferred_norm = head, None
+            return (ws, complete, local, total, float(scale), head, inv2)
+        complete = bool(hs.local1) and len(hs.local1) == hs.num_buckets_seen
+        return (
+            1,
+            complete,
+            float(scale),
+            sum(float(v) for v in hs.local1.values()),
+            sum(float(v) for v in hs.prev_sq.values()),
+            sum(float(v) for v in hs.cross.values()),
         )
 
-    def _fold_pending(self, collective_ok: bool) -> bool:
+    def _fold_pending(self) -> bool:
         pend, self._pending = self._pending, None
         if pend is None:
             return False
-        if pend.world_size > 1:
+        ws = pend[0]
+        if ws > 1:
             hs = self._hook_state
             if hs is not None and hs.carried is not None:
-                reduced = _decode(hs.carried)
+                reduced = hs.carried
                 hs.carried = None
             else:  # the carrying bucket never ran (e.g. half-precision buckets): reduce now
-                t = _encode(pend.local)
+                t = _encode(pend[2])
                 dist.all_reduce(t, group=hs.process_group if hs is not None else None)
                 reduced = _decode(t)
                 if hs is not None:
                     hs.carry = None
-            pend.local = reduced / pend.world_size
-        return self._take_sample(pend)
+            total, head = pend[3], pend[5]
+            if head is not None:
+                norm = hs.deferred_norm if hs is not None and hs.deferred is None else None
+                if norm is None:  # no carrying hook ran since (flush): take it now
+                    norm = _sqnorm(head)
+                total += float(norm)
+                if hs is not None:
+                    hs.deferred = hs.deferred_norm = None
+            return self._take_sample(ws, pend[1], pend[4], reduced / ws, total * pend[6])
+        _, complete, scale, cur, prev, cross = pend
+        if (
+            not complete
+            or self._prev_scale is None
+            or not math.isclose(self._prev_scale, scale, rel_tol=1e-9)
+        ):
+            # First step, or the previous gradient came from another batch size.
+            self._prev_scale = scale
+            return False
+        # Consecutive-step estimator on unscaled gradients (count = 2, scale 2S).
+        local = (cur + prev) / 2.0
+        total = (cur + prev + 2.0 * cross) / 4.0
+        return self._take_sample(2, True, 2.0 * scale, local, total, biased=True)
 
     @property
     def last_sync_time(self) -> float:
@@ -403,31 +519,19 @@ class GradientNoiseScale:
             return 0.0
         return hs.t_done - hs.t_last_hook
 
-    def _take_sample(self, pkg: SimpleNamespace, scale: float | None = None) -> bool:
-        scale = pkg.scale
-        if pkg.world_size > 1:
-            if not pkg.complete:
-                return False
-            count = pkg.world_size
-            local, total = pkg.local, pkg.total
-            step_scale = scale
-            biased = False
-        else:
-            # Consecutive-step estimator on unscaled gradients (count = 2).
-            if (
-                not pkg.complete
-                or self._prev_scale is None
-                or not math.isclose(self._prev_scale, scale, rel_tol=1e-9)
-            ):
-                # First step, or the previous gradient came from another batch size.
-                self._prev_scale = scale
-                return False
-            count = 2
-            local = (pkg.cur + pkg.prev) / 2.0
-            total = (pkg.cur + pkg.prev + 2.0 * pkg.cross) / 4.0
-            step_scale = 2.0 * scale
-            biased = True
-        self._prev_scale = scale
+    def _take_sample(
+        self,
+        count: int,
+        complete: bool,
+        step_scale: float,
+        local: float,
+        total: float,
+        biased: bool = False,
+    ) -> bool:
+        """Fold one measurement (``count`` gradients at total scale ``step_scale``) in."""
+        if not complete:
+            return False
+        self._prev_scale = step_scale / 2.0 if biased else step_scale
         if not (math.isfinite(local) and math.isfinite(total)):
             logger.warning("GradientNoiseScale: non-finite gradient statistics, sample skipped")
             return False

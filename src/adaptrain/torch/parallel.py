@@ -90,10 +90,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
             scaling_rule if scaling_rule is not None else (default_scaling_rule(optimizer))
         )
         self.scaling_rule.initialize(self, optimizer, patch_optimizer=True)
-        self._last_forward_sync = True
-        self._stash: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._scale = 1.0
-        self._init_bsz: int | None = None
+        # Per-step bookkeeping in a plain slotted object: assigning attributes of an
+        # nn.Module goes through Module.__setattr__ (~1 µs each, several per step).
+        self._rt = _StepState()
         self._state = _AdaptiveDataParallelState(
             model, optimizer, lr_scheduler, mp_scaler, self.gns, name
         )
@@ -111,17 +110,17 @@ class AdaptiveDataParallel(DistributedDataParallel):
             sync = bool(loader.is_optim_step())
             accum = max(int(loader.accumulation_steps), 1)
             init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
-            self._init_bsz = int(init_bsz)
-            self._scale = float(loader.current_batch_size) / float(init_bsz)
+            self._rt.init_bsz = int(init_bsz)
+            self._rt.scale = float(loader.current_batch_size) / float(init_bsz)
             self.gns.set_accum_scale(
                 loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
             )
         else:
             sync = bool(self.require_backward_grad_sync)
             accum = 1
-            self._scale = 1.0
+            self._rt.scale = 1.0
         self.gns.count_micro_batch()
-        self._last_forward_sync = sync
+        self._rt.last_sync = sync
         if sync:
             self.gns.begin_step(accum_steps=accum)
             return super().forward(*args, **kwargs)
@@ -132,46 +131,53 @@ class AdaptiveDataParallel(DistributedDataParallel):
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    self._stash.append((p, p.grad))
+                    self._rt.stash.append((p, p.grad))
                     p.grad = None
 
     def _restore_grads(self) -> None:
-        if not self._stash:
+        if not self._rt.stash:
             return
-        for p, g in self._stash:
+        for p, g in self._rt.stash:
             if p.grad is None:
                 p.grad = g
             else:
                 p.grad.add_(g)
-        self._stash = []
+        self._rt.stash = []
 
     # ----- called by the scaling rule's step hooks ---------------------------------------------
     def _begin_optimizer_step(self) -> bool:
         """Pre-step: False on an accumulation micro-batch (gradients set aside), else True."""
-        if not self._last_forward_sync:
+        if not self._rt.last_sync:
             self._stash_grads()
             return False
         _metrics.profile_sync_time(self.gns.last_sync_time)
-        self.gns.finish_step(self._scale)
+        self.gns.finish_step(self._rt.scale)
         return True
 
     def _step_scale(self) -> float:
-        return self._scale
+        return self._rt.scale
 
     def _init_batch_size(self) -> int | None:
-        return self._init_bsz
+        return self._rt.init_bsz
 
     def _end_optimizer_step(self, scale: float, lr_factor: float) -> None:
-        gain = self.gns.gain(scale)
-        self.gns.set_progress(self.gns.get_progress() + gain)
-        self._state.gain = gain
-        self._state.lr_factor = lr_factor
-        _metrics.update_progress(self.gns.get_progress())
-        _metrics.update_grad_params(self.gns.sqr_avg(), self.gns.var_avg())
+        gns = self.gns
+        sqr, var = gns.sqr_avg(), gns.var_avg()
+        # GradientNoiseScale.gain's formula on the values just read (one read per step);
+        # at scale 1 it is exactly 1.0 ((v + s)/(v/1 + s) with identical operands).
+        denom = var / scale + sqr
+        gain = (var + sqr) / denom if denom > 0 else 1.0
+        progress = gns.get_progress() + gain
+        gns.set_progress(progress)
+        state = self._state
+        state.gain = gain
+        state.lr_factor = lr_factor
+        _metrics.update_progress(progress)
+        _metrics.update_grad_params(sqr, var)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, except in the middle of a gradient accumulation (then a no-op)."""
-        if self._stash or not self._last_forward_sync:
+        if self._rt.stash or not self._rt.last_sync:
             warnings.warn("zero_grad skipped: gradients are being accumulated", stacklevel=2)
             return
         super().zero_grad(set_to_none=set_to_none)
@@ -192,6 +198,18 @@ class AdaptiveDataParallel(DistributedDataParallel):
         writer.add_scalar(tag_prefix + "Learning_Rate_Factor", self._state.lr_factor, global_step)
         writer.add_scalar(tag_prefix + "Accum_Scale", self.gns.accum_scale, global_step)
         writer.add_scalar(tag_prefix + "Progress", self.gns.get_progress(), global_step)
+
+
+class _StepState:
+    """Per-step state of an AdaptiveDataParallel (not checkpointed)."""
+
+    __slots__ = ("last_sync", "stash", "scale", "init_bsz")
+
+    def __init__(self) -> None:
+        self.last_sync = True  # the last forward synchronises gradients (an optimizer step)
+        self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # set-aside accumulated grads
+        self.scale = 1.0  # batch-size scale S = B/B0 of the current step
+        self.init_bsz: int | None = None
 
 
 class _AdaptiveDataParallelState(_checkpoint.State):
