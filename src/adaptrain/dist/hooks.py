@@ -138,8 +138,13 @@ class _BucketStates:
             st = None
         return st
 
+    _state_type: Any = tuple  # the compressor's NamedTuple state, set by each subclass
+
     def state_dict(self) -> dict[str, Any]:
         return {"states": {k: tuple(v) for k, v in self.states.items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.states = {str(k): self._state_type(*v) for k, v in sd["states"].items()}
 
 
 def _write_back_ordered(
@@ -162,6 +167,8 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
 class PowerSGDHookState(_BucketStates):
     """Configuration and per-bucket :class:`PowerSGDState` for :func:`powersgd_hook`."""
 
+    _state_type = PowerSGDState
+
     def __init__(
         self,
         process_group: Any = None,
@@ -179,9 +186,6 @@ class PowerSGDHookState(_BucketStates):
         self.reuse_query = reuse_query
         self.error_feedback = error_feedback
         self.seed = int(seed)
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.states = {str(k): PowerSGDState(*v) for k, v in sd["states"].items()}
 
 
 def powersgd_hook(
@@ -209,6 +213,8 @@ class SparseHookState(_BucketStates):
     ``ratio`` is the fraction of each bucket's coordinates sent (``k = ceil(ratio · numel)``).
     """
 
+    _state_type = SparseState
+
     def __init__(
         self,
         process_group: Any = None,
@@ -224,9 +230,6 @@ class SparseHookState(_BucketStates):
         self.ratio = float(ratio)
         self.method = method
         self.seed = int(seed)
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.states = {str(k): SparseState(*v) for k, v in sd["states"].items()}
 
 
 def topk_hook(
@@ -248,6 +251,8 @@ def topk_hook(
 class SignHookState(_BucketStates):
     """Configuration and per-bucket :class:`SignState` for :func:`sign_hook`."""
 
+    _state_type = SignState
+
     def __init__(
         self,
         process_group: Any = None,
@@ -259,9 +264,6 @@ class SignHookState(_BucketStates):
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.majority_vote = majority_vote
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.states = {str(k): SignState(*v) for k, v in sd["states"].items()}
 
 
 def sign_hook(state: SignHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from adaptrain import env
 from adaptrain.dist import checkpoint, collective, signals
+from adaptrain.torch import _metrics
 from adaptrain.torch.epoch import current_epoch
 
 __all__ = [
@@ -67,17 +68,6 @@ def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
     return env.num_replicas(), env.replica_rank()
-
-
-def _metrics() -> Any:
-    """The adaptive helper's ``_metrics`` module, or None when it is absent."""
-    try:
-        from adaptrain.torch import _metrics as m
-    except ModuleNotFoundError as exc:  # only a missing module, never a broken one
-        if exc.name != "adaptrain.torch._metrics":
-            raise
-        return None
-    return m
 
 
 def _permutation(n: int, shuffle: bool, epoch: int | None, seed: int) -> list[int]:
@@ -342,9 +332,8 @@ class AdaptiveDataLoaderHelper:
         """Mark this loader as the training loader (only the first one called becomes it)."""
         if AdaptiveDataLoaderHelper._training is None:
             AdaptiveDataLoaderHelper._training = self
-        m = _metrics()
-        if m is not None and self.training:
-            m.set_batch_size(
+        if self.training:
+            _metrics.set_batch_size(
                 self.batch_size,
                 self._max_batch_size,
                 self._local_bsz_bounds,
@@ -434,10 +423,9 @@ class AdaptiveDataLoaderHelper:
                     min(target, self._max_batch_size), num_replicas
                 )
             decision = (s.local_bsz, s.accum_steps)
-            m = _metrics()
-            if m is not None and _world()[1] == 0:
+            if _world()[1] == 0:
                 nodes = min(max(env.num_nodes(), 1), num_replicas)
-                suggestion = m.suggest_batch_size(
+                suggestion = _metrics.suggest_batch_size(
                     nodes, num_replicas, s.local_bsz, s.accum_steps, self.min_improvement
                 )
                 if suggestion is not None:
@@ -491,12 +479,12 @@ class AdaptiveDataLoaderHelper:
             signum = signals.poll_stop()
             if signum:
                 signals.graceful_exit(signum)
-        m = _metrics() if self.training else None
-        if m is not None:
-            m.profile_step_start(self._mb_local or self.current_local_bsz)
+        training = self.training
+        if training:
+            _metrics.profile_step_start(self._mb_local or self.current_local_bsz)
         yield
-        if m is not None and commit:
-            m.profile_step_commit(self.is_accum_step())
+        if training and commit:
+            _metrics.profile_step_commit(self.is_accum_step())
         self._accum_count = 0 if self.is_optim_step() else self._accum_count + 1
 
     def to_tensorboard(self, writer: Any, global_step: int, tag_prefix: str = "") -> None:
