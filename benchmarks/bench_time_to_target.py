@@ -9,7 +9,9 @@ For each task, 2 gloo replicas train until a validation target is reached; the f
   not tune the batch size runs).
 * ``adaptrain``: ``adaptrain.torch`` with ``autoscale_batch_size`` (initial batch ``B0``, gradient
   accumulation allowed), the scaling rule AdaptiveDataParallel picks (AdamScale for Adam,
-  AdaScale for SGD).
+  AdaScale for SGD, as AdaptDL 0.2.11); ``adaptrain-adascale`` (Adam tasks): the same with
+  ``scaling_rule=AdaScale()``, the learning rate multiplied by the gain itself, not its square
+  root (closest to the sweep's linear rule).
 * ``adaptdl``: AdaptDL 0.2.11's ``autoscale_batch_size`` on the same task, when it installs
   (``_adaptdl_ref.py``).
 
@@ -48,6 +50,7 @@ TASKS = {
         "bounds": (8, 128),
         "lr0": 3e-3,
         "eval_every": 0.5,
+        "optimizer": "adam",
     },
     "digits": {
         "sweep": [16, 32, 64, 128, 256],
@@ -55,6 +58,7 @@ TASKS = {
         "bounds": (4, 256),
         "lr0": 0.02,
         "eval_every": 0.1,
+        "optimizer": "sgd",
     },
 }
 
@@ -140,7 +144,7 @@ def _run(
         )
         adaptdl_torch = _adaptdl_ref.import_adaptdl()
         adaptdl_torch.init_process_group("gloo")
-    elif variant == "adaptrain":
+    elif variant.startswith("adaptrain"):
         import adaptrain.torch as adl
 
         if log_decisions and rank == 0:
@@ -181,7 +185,10 @@ def _run(
     else:
         lib = adaptdl_torch if variant == "adaptdl" else adl
         opt = _optimizer(opt_kind, model.parameters(), cfg["lr0"])
-        model = lib.AdaptiveDataParallel(model, opt)
+        kwargs = {}
+        if variant == "adaptrain-adascale":  # AdaScale's gain on the lr for any optimizer
+            kwargs["scaling_rule"] = lib.scaling_rules.AdaScale()
+        model = lib.AdaptiveDataParallel(model, opt, **kwargs)
         loader = lib.AdaptiveDataLoader(train, batch_size=B0, shuffle=True)
         loader.autoscale_batch_size(
             cfg["max_batch"], local_bsz_bounds=cfg["bounds"], gradient_accumulation=True
@@ -307,6 +314,8 @@ def main() -> None:
     for task in args.tasks:
         target = args.charlm_target if task == "charlm" else args.digits_target
         variants = [f"fixed-{b}" for b in TASKS[task]["sweep"]] + ["adaptrain"]
+        if TASKS[task]["optimizer"] == "adam":
+            variants.append("adaptrain-adascale")
         if with_adaptdl:
             variants.append("adaptdl")
         if args.variants:

@@ -169,6 +169,29 @@ def test_batch_size_switch_keeps_exactly_once(monkeypatch):
     assert calls[:3] == [(4, 1), (8, 1), (16, 1)]
 
 
+def test_decisions_come_soon_after_a_change_then_at_doubling_intervals(monkeypatch):
+    """Segments: MIN_SAMPLES + 1 steps after each change, then doubling up to reoptimize_every."""
+    from adaptrain.torch import _metrics
+
+    steps_at_call = []
+    seen = {"steps": 0}
+
+    def suggest(num_nodes, num_replicas, atomic, accum, min_improvement=0.05):
+        steps_at_call.append(seen["steps"])
+        # one change, at the second decision (after the first segment), then stay
+        return (8, 1) if len(steps_at_call) == 2 else None
+
+    monkeypatch.setattr(_metrics, "suggest_batch_size", suggest)
+    dl = at.AdaptiveDataLoader(_ids(8 * 400), batch_size=4)
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32))
+    first = _metrics.MIN_SAMPLES + 1
+    for (_x,) in dl:
+        seen["steps"] += 1
+    gaps = [b - a for a, b in zip(steps_at_call, steps_at_call[1:])]
+    assert steps_at_call[0] == 0
+    assert gaps[:6] == [first, first, 2 * first, 4 * first, 50, 50]
+
+
 # ----- three replicas ----------------------------------------------------------------------------
 def _three(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)

@@ -83,7 +83,14 @@ def test_api_golden_values_and_state_round_trip():
     assert gns.sqr_avg() == 0.0 and gns.raw_sqr_avg.tolist() == [-0.2]
 
 
-@pytest.mark.parametrize("kwargs", [{"num_replicas": 0}, {"num_replicas": 2, "smoothing": 1.0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"num_replicas": 0},
+        {"num_replicas": 2, "smoothing": 1.0},
+        {"num_replicas": 2, "window_fraction": 0.0},
+    ],
+)
 def test_bad_arguments_raise(kwargs):
     with pytest.raises(ValueError):
         GradientNoiseScale(**kwargs)
@@ -99,3 +106,28 @@ def test_gain_fast_path_agrees_with_core():
         gns.load_state_dict(state)
         for scale in (1.0, 2.0, 7.5, 64.0):
             assert gns.gain(scale) == pytest.approx(core_gns.gain(sqr, var, scale), rel=1e-12)
+
+
+def test_growing_window_forgets_the_early_transient():
+    """A start with large gradients and little noise, then a steady state: after 8× as many
+    steady steps the growing window reports the steady noise scale, AdaptDL's fixed 0.999
+    memory still mostly the start (the lag that kept early batch-size decisions too small)."""
+    from adaptrain.core import gns as core_gns
+
+    start, steady = (100.0, 99.5), (2.0, 1.5)  # (local, total) of 2 replicas
+    ratio = {}
+    for frac in (0.25, None):
+        gns = GradientNoiseScale(num_replicas=2, window_fraction=frac)
+        for local, total in [start] * 50 + [steady] * 400:
+            assert gns._take_sample(2, True, 1.0, local, total)
+        ratio[frac] = gns.var_avg() / gns.sqr_avg()
+        state = gns.state_dict()
+        again = GradientNoiseScale(num_replicas=2, window_fraction=frac)
+        again.load_state_dict(state)
+        for g in (gns, again):  # save -> load -> replay
+            g._take_sample(2, True, 1.0, *steady)
+        assert again.state_dict() == gns.state_dict()
+    est = core_gns.unbiased_estimate(*steady, 2, 0.5)
+    truth = est.var / est.sqr
+    assert ratio[0.25] == pytest.approx(truth, rel=0.05)
+    assert ratio[None] < 0.2 * truth

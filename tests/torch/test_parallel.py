@@ -98,7 +98,7 @@ def _stats_vs_direct(rank, ws, steps, b, ddp_kwargs=None):
     opt_copy = torch.optim.SGD(m_copy.parameters(), lr=0.05)
     adp = AdaptiveDataParallel(m_adp, opt, **(ddp_kwargs or {}))
     ema_s, ema_v = core_gns.ema_init(0.0), core_gns.ema_init(0.0)
-    for idx in _indices(steps, ws, b, seed=7):
+    for t, idx in enumerate(_indices(steps, ws, b, seed=7)):
         # Direct: every replica's micro-batch gradient, computed locally from the same weights.
         grads = []
         for r in range(ws):
@@ -108,8 +108,9 @@ def _stats_vs_direct(rank, ws, steps, b, ddp_kwargs=None):
         local = sum(float(g @ g) for g in grads) / ws
         mean = sum(grads) / ws
         est = core_gns.unbiased_estimate(local, float(mean @ mean), ws, 1.0 / ws)
-        ema_s = core_gns.ema_update(ema_s, est.sqr, 0.999)
-        ema_v = core_gns.ema_update(ema_v, est.var, 0.999)
+        theta = min(0.999, 1.0 - 1.0 / (1.0 + 0.25 * t))  # growing window, scale 1 per step
+        ema_s = core_gns.ema_update(ema_s, est.sqr, theta)
+        ema_v = core_gns.ema_update(ema_v, est.var, theta)
         # Reference update of the copy with the averaged gradient.
         with torch.no_grad():
             off = 0
@@ -149,7 +150,7 @@ def _single_replica(rank, ws, steps):
     opt = torch.optim.SGD(m.parameters(), lr=0.0)  # fixed weights: consecutive grads comparable
     adp = AdaptiveDataParallel(m, opt)
     ema_s, ema_v = core_gns.ema_init(0.0), core_gns.ema_init(0.0)
-    prev = None
+    prev, clock = None, 0.0
     for step, idx in enumerate(_indices(steps, 1, 16, seed=3)):
         opt.zero_grad()
         F.cross_entropy(adp(X[idx[0]]), y[idx[0]]).backward()
@@ -160,8 +161,10 @@ def _single_replica(rank, ws, steps):
             local = (float(g @ g) + float(prev @ prev)) / 2
             avg = (g + prev) / 2
             est = core_gns.unbiased_estimate(local, float(avg @ avg), 2, 1.0)
-            ema_s = core_gns.ema_update(ema_s, est.sqr, 0.999**2)
-            ema_v = core_gns.ema_update(ema_v, est.var, 0.999**2)
+            theta = min(0.999, 1.0 - 1.0 / (1.0 + 0.25 * clock)) ** 2  # scale 2 per sample
+            clock += 2.0
+            ema_s = core_gns.ema_update(ema_s, est.sqr, theta)
+            ema_v = core_gns.ema_update(ema_v, est.var, theta)
         prev = g
     adp.gns.flush()
     return (

@@ -382,6 +382,7 @@ def suggest_batch_size(
         accumulation=s.gradient_accumulation,
     )
     atomic, accum = int(atomic), int(extra) + 1
+    best_atomic, best_accum = atomic, accum
     now = float(fn.evaluate(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1))
     if not (np.isfinite(now) and now > 0):
         now = 0.0
@@ -403,6 +404,15 @@ def suggest_batch_size(
             if value >= (1.0 - explore_tolerance) * now:
                 atomic, accum, best, reason = cand[0], cand[1], value, "exploration"
     if not atomic:
+        logger.debug(
+            "batch size stays (atomic %d × %d): predicted goodput %.4g, best %.4g at (%d × %d)",
+            current_atomic_bsz,
+            current_accum_steps,
+            now,
+            best,
+            best_atomic,
+            best_accum,
+        )
         return None
     logger.info(
         "batch size: (atomic %d × %d) → (atomic %d × %d), predicted goodput %.4g → %.4g (%s)",

@@ -20,8 +20,10 @@ training loader, iterated with gradients disabled) never pads: those replicas yi
 
 Epochs with adaptive batch size end after **one pass over the dataset** (not after "one
 dataset's worth of statistical progress" as AdaptDL does): simpler, and exactly-once holds
-per epoch. The batch size is decided at the start of each pass and re-decided every
-``reoptimize_every`` optimizer steps (default 50) when autoscaling: rank 0 asks
+per epoch. The batch size is decided at the start of each pass and re-decided when autoscaling:
+soon after each change (once the new configuration has been profiled for
+``_metrics.MIN_SAMPLES`` steps), then at doubling intervals up to every ``reoptimize_every``
+optimizer steps (default 50): rank 0 asks
 ``_metrics.suggest_batch_size`` (which switches only for a ≥ 5% predicted goodput gain) and
 broadcasts the answer; nothing is decided mid-step, so accumulation cycles are never cut.
 
@@ -254,6 +256,8 @@ class AdaptiveDataLoaderHelper:
         self._gradient_accumulation = False
         self.min_improvement = 0.05
         self.reoptimize_every = 50
+        self._segment: int | None = None  # optimizer steps of the current segment
+        self._segment_decision: tuple[int, int, int] | None = None
         self._state = _AdaptiveDataLoaderState()
         checkpoint.load_state(self._state)
         self._accum_count = 0
@@ -433,6 +437,25 @@ class AdaptiveDataLoaderHelper:
             s.local_bsz, s.accum_steps = collective.broadcast(decision)
         s.num_replicas = num_replicas
         return s.local_bsz, s.accum_steps
+
+    def _segment_steps(self, num_replicas: int, local_bsz: int, accum: int) -> int | None:
+        """Optimizer steps until the next decision (None: one segment per pass, no autoscale).
+
+        Right after a change of configuration (and at the start) the next decision comes as
+        soon as the new configuration can have :data:`~adaptrain.torch._metrics.MIN_SAMPLES`
+        profiled steps (the first step of a segment is not timed); while nothing changes the
+        segment doubles, up to ``reoptimize_every``. A job therefore explores and settles its
+        batch size within tens of steps instead of hundreds, and then re-decides rarely.
+        """
+        if not self._max_batch_size:
+            return None
+        decision = (num_replicas, local_bsz, accum)
+        if self._segment is None or decision != self._segment_decision:
+            self._segment = _metrics.MIN_SAMPLES + 1
+        else:
+            self._segment *= 2
+        self._segment_decision = decision
+        return max(1, min(self._segment, int(self.reoptimize_every)))
 
     # ----- loop protocol ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -644,7 +667,7 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                 start = helper._state.current_index
                 self.sampler.set_epoch(epoch, start)
                 order = self.sampler.order()
-                max_steps = helper.reoptimize_every if helper.max_batch_size else None
+                max_steps = helper._segment_steps(num_replicas, local_bsz, accum)
                 plan = plan_pass(
                     start, n, local_bsz, accum, num_replicas, self._elastic_drop_last, max_steps
                 )
