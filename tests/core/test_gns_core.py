@@ -26,6 +26,7 @@ from adaptrain.core.gns import (
     is_finite,
     sqrt_gain,
     unbiased_estimate,
+    window_smoothing,
 )
 
 
@@ -98,6 +99,13 @@ def test_ema_skips_non_finite_and_rescales():
     assert not is_finite(1.0, torch.tensor([1.0, math.nan]))
     assert is_finite(1.0, np.ones(2), torch.ones(2))
     assert ema_value(ema_rescale(state, 0.25)) == pytest.approx(0.5)
+
+
+def test_window_smoothing_grows_then_caps():
+    assert window_smoothing(0.999, 0.0, 0.25) == 0.0  # the first sample replaces the average
+    assert window_smoothing(0.999, 100.0, 0.25) == pytest.approx(1 - 1 / 26)  # memory ~26
+    assert window_smoothing(0.999, 1e6, 0.25) == 0.999  # capped by the fixed rule
+    assert window_smoothing(0.999, 5.0, None) == 0.999  # AdaptDL's fixed smoothing
 
 
 def test_b3_average_mean_then_ema():

@@ -37,6 +37,7 @@ __all__ = [
     "ema_update",
     "ema_value",
     "ema_rescale",
+    "window_smoothing",
     "clip_estimate",
     "B3State",
     "b3_init",
@@ -219,6 +220,21 @@ def ema_rescale(state: EMAState, factor: Any) -> EMAState:
     Used when the base batch size changes: ``var = tr(Σ)/B0`` rescales by ``S_old / S_new``.
     """
     return EMAState(biased=state.biased * factor, weight=state.weight, count=state.count)
+
+
+def window_smoothing(smoothing: float, seen: float, window_fraction: float | None) -> float:
+    """Smoothing per unit of scale for an average whose memory grows with the history.
+
+    ``min(smoothing, 1 − 1/(1 + window_fraction · seen))``: after ``seen`` units (e.g. steps at the
+    initial batch size) the average remembers about ``window_fraction · seen`` of them, at most
+    the ``1/(1 − smoothing)`` of the fixed rule, so a transient at the start (the first steps of
+    training) is forgotten instead of dominating for ``1/(1 − smoothing)`` steps.
+    ``window_fraction=None`` gives the fixed ``smoothing``. Raise it to the power of a sample's
+    scale before :func:`ema_update`.
+    """
+    if window_fraction is None:
+        return smoothing
+    return min(smoothing, 1.0 - 1.0 / (1.0 + window_fraction * seen))
 
 
 def clip_estimate(est: GNSEstimate, min_sqr: Any = 0.0, min_var: Any = 0.0) -> GNSEstimate:

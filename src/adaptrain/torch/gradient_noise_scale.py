@@ -20,7 +20,9 @@ scale², and the *previous* step's measurements (whose replica sum has arrived m
 unbiased samples by :func:`adaptrain.core.gns.unbiased_estimate` with ``count = R`` (the
 accumulated local gradient of each replica is one sample of ``local_bsz·accum_steps``
 samples), folded into debiased EMAs (:func:`adaptrain.core.gns.ema_update`, smoothing
-``0.999 ** scale`` as AdaptDL). Samples with non-finite values are skipped.
+``0.999 ** scale`` as AdaptDL once enough history is seen; before that a memory growing with
+the history, :func:`adaptrain.core.gns.window_smoothing`). Samples with non-finite values are
+skipped.
 """
 
 from __future__ import annotations
@@ -560,9 +562,7 @@ class GradientNoiseScale:
             self._clock = 0.0
             self._biased = biased
         est = _gns.unbiased_estimate(local, total, count, step_scale / count)
-        base = self._smoothing
-        if self._window_fraction is not None:
-            base = min(base, 1.0 - 1.0 / (1.0 + self._window_fraction * self._clock))
+        base = _gns.window_smoothing(self._smoothing, self._clock, self._window_fraction)
         theta = base**step_scale
         self._clock += step_scale
         self._sqr = _gns.ema_update(self._sqr, est.sqr, theta)
