@@ -114,6 +114,7 @@ def test_las_weighting_prefers_less_attained_service():
         {"weighting": "fifo"},
         {"gpus_per_node": 0},
         {"search": "anneal"},
+        {"genetic_runs": 0},
     ],
 )
 def test_bad_arguments_raise(kwargs):
@@ -198,12 +199,12 @@ def test_genetic_state_roundtrip_replays_identically():
     """state_dict -> load_state_dict -> the next round is identical to the uninterrupted one."""
     nodes = _cluster()
     jobs = _jobs(10, 5, age=600.0)
-    policy = WaterfillPolicy(seed=3)
+    policy = WaterfillPolicy(seed=3, genetic_runs=1)  # one run: that search's own state
     first = {k: v for k, v in policy.optimize(jobs, nodes, {}, 0.0).items() if v}
     state = policy.state_dict()
     assert state["prev_states"] is not None
     second = policy.optimize(jobs, nodes, first, 60.0)
-    other = WaterfillPolicy(seed=99)
+    other = WaterfillPolicy(seed=99, genetic_runs=1)
     other.load_state_dict(state)
     assert other.optimize(jobs, nodes, first, 60.0) == second
     assert WaterfillPolicy(search="local").state_dict() == {}
@@ -232,3 +233,69 @@ def test_new_job_without_estimate_is_admitted_ahead_of_a_long_job():
         assert policy._weights(jobs, list(jobs))["new"] == 1.0
         alloc = policy.optimize(jobs, nodes, {"long": [0, 0]}, 60.0)
         assert alloc.get("new") == [0] and alloc.get("long") == [0]
+
+
+def _fragmented(seed: int) -> tuple[dict[str, JobInfo], dict[str, list[int]]]:
+    """Nine jobs whose speedup drops across nodes, spread 1-2 GPUs each over four 4-GPU nodes:
+    a search problem where the genetic runs of different seeds end in different answers."""
+    rng = np.random.default_rng(seed)
+
+    def curve(a: float, pen: float):
+        def fn(n, r):
+            r = np.asarray(r, dtype=float)
+            n = np.asarray(n, dtype=float)
+            return np.where(r > 0, r**a / (1.0 + pen * np.maximum(n - 1, 0)), 0.0)
+
+        return fn
+
+    jobs = {
+        f"j{i}": JobInfo(
+            float(i),
+            max_replicas=int(rng.integers(2, 9)),
+            speedup_fn=curve(float(rng.uniform(0.7, 1.0)), float(rng.uniform(0.5, 3.0))),
+            remaining_work=float(rng.uniform(600, 1e5)),
+            age=float(rng.uniform(300, 5000)),
+            num_restarts=1,
+        )
+        for i in range(9)
+    }
+    base, used = {}, 0
+    for k in jobs:
+        c = min(int(rng.integers(1, 3)), 16 - used)
+        base[k] = sorted((used + j) % 4 for j in range(c))
+        used += c
+    return jobs, base
+
+
+def test_several_genetic_runs_keep_the_fittest_answer():
+    """genetic_runs=3 runs the searches of seeds 0, 1, 2 side by side: its answer is exactly as
+    fit as the best of the three single-seed policies' answers (which differ here)."""
+    nodes = _cluster()
+    spread = 0.0
+    for seed in range(4):
+        jobs, base = _fragmented(seed)
+        multi = WaterfillPolicy(genetic_runs=3)
+        alloc = {k: v for k, v in multi.optimize(jobs, nodes, base, 0.0).items() if v}
+        check_allocations(alloc, jobs, nodes, interference=True)
+        fits = []
+        for i in range(3):
+            a = WaterfillPolicy(seed=i, genetic_runs=1).optimize(jobs, nodes, base, 0.0)
+            fits.append(_fitness(multi, jobs, base, {k: v for k, v in a.items() if v}))
+        assert _fitness(multi, jobs, base, alloc) == pytest.approx(max(fits))
+        spread = max(spread, max(fits) - min(fits))
+    assert spread > 0.01  # the seeds disagree somewhere, so the test can fail
+
+
+def test_several_genetic_runs_state_roundtrip():
+    nodes = _cluster()
+    jobs = _jobs(10, 5, age=600.0)
+    policy = WaterfillPolicy(genetic_runs=2, seed=4)
+    first = {k: v for k, v in policy.optimize(jobs, nodes, {}, 0.0).items() if v}
+    state = policy.state_dict()
+    assert len(state["runs"]) == 2
+    second = policy.optimize(jobs, nodes, first, 60.0)
+    other = WaterfillPolicy(genetic_runs=2, seed=0)
+    other.load_state_dict(state)
+    assert other.optimize(jobs, nodes, first, 60.0) == second
+    with pytest.raises(ValueError, match="genetic_runs"):
+        WaterfillPolicy(genetic_runs=3).load_state_dict(state)

@@ -127,6 +127,27 @@ class WeightedGeneticSearch(PolluxPolicy):
             out[key] = alloc
         return out
 
+    def fitness(
+        self,
+        jobs: Mapping[str, JobInfo],
+        nodes: Mapping[int, NodeInfo],
+        base_allocations: Mapping[str, Sequence[int]],
+        weights: Mapping[str, float],
+        allocations: Mapping[str, Sequence[int]],
+    ) -> float:
+        """FITNESS(allocations) of the module docstring (higher is better)."""
+        if not jobs:
+            return 0.0
+        job_keys = sorted(
+            jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp, k)
+        )
+        node_keys = sorted(nodes)
+        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
+        self._weights = np.array([float(weights[k]) for k in job_keys])
+        base = self._matrix(base_allocations, job_keys, node_keys)
+        state = self._matrix(allocations, job_keys, node_keys)
+        return -float(self._evaluate(state[None], base)[0, 0])
+
     @staticmethod
     def _matrix(
         allocations: Mapping[str, Sequence[int]], job_keys: list[str], node_keys: list[int]
