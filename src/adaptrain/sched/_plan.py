@@ -80,6 +80,16 @@ class WeightedGeneticSearch(PolluxPolicy):
         fit = fit - _UNSCHEDULED_PENALTY * (speedups <= 0).sum(axis=1)
         return np.column_stack([-fit, -self._utilities(states, speedups)])
 
+    def _prepare(self, jobs, nodes, base_allocations, weights):
+        """Order jobs and nodes, set up the speedup tables and weights; the base matrix."""
+        job_keys = sorted(
+            jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp, k)
+        )
+        node_keys = sorted(nodes)
+        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
+        self._weights = np.array([float(weights[k]) for k in job_keys])
+        return job_keys, node_keys, self._matrix(base_allocations, job_keys, node_keys)
+
     def refine(
         self,
         jobs: Mapping[str, JobInfo],
@@ -91,14 +101,8 @@ class WeightedGeneticSearch(PolluxPolicy):
         """The best allocation found, or ``seed_allocations`` unless strictly improved on."""
         if not jobs:
             return {}
-        job_keys = sorted(
-            jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp, k)
-        )
-        node_keys = sorted(nodes)
-        base = self._matrix(base_allocations, job_keys, node_keys)
+        job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)
         seed = self._matrix(seed_allocations, job_keys, node_keys)
-        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
-        self._weights = np.array([float(weights[k]) for k in job_keys])
         if self._prev_states is None:
             pop = base[None].copy()
         else:
@@ -138,13 +142,7 @@ class WeightedGeneticSearch(PolluxPolicy):
         """FITNESS(allocations) of the module docstring (higher is better)."""
         if not jobs:
             return 0.0
-        job_keys = sorted(
-            jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp, k)
-        )
-        node_keys = sorted(nodes)
-        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
-        self._weights = np.array([float(weights[k]) for k in job_keys])
-        base = self._matrix(base_allocations, job_keys, node_keys)
+        job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)
         state = self._matrix(allocations, job_keys, node_keys)
         return -float(self._evaluate(state[None], base)[0, 0])
 
