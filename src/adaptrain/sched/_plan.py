@@ -57,6 +57,7 @@ class WeightedGeneticSearch(PolluxPolicy):
         if max_jobs_full < 1:
             raise ValueError(f"max_jobs_full={max_jobs_full} must be >= 1")
         self.max_jobs_full = max_jobs_full
+        self.last_fitness = -np.inf  # FITNESS of the allocation the last refine() returned
         self._weights = np.zeros(0)
 
     def _setup(self, jobs: list[JobInfo], nodes: list[NodeInfo]) -> None:
@@ -98,8 +99,12 @@ class WeightedGeneticSearch(PolluxPolicy):
         weights: Mapping[str, float],
         seed_allocations: Mapping[str, Sequence[int]],
     ) -> Allocation:
-        """The best allocation found, or ``seed_allocations`` unless strictly improved on."""
+        """The best allocation found, or ``seed_allocations`` unless strictly improved on.
+
+        Its FITNESS is left in :attr:`last_fitness`.
+        """
         if not jobs:
+            self.last_fitness = 0.0
             return {}
         job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)
         seed = self._matrix(seed_allocations, job_keys, node_keys)
@@ -122,7 +127,9 @@ class WeightedGeneticSearch(PolluxPolicy):
         self._prev_nodes = list(node_keys)
         best = int(np.argmin(F[:, 0]))
         if not F[best, 0] < seed_fit - 1e-9 * max(1.0, abs(seed_fit)):
+            self.last_fitness = -seed_fit
             return {k: list(v) for k, v in seed_allocations.items()}
+        self.last_fitness = -float(F[best, 0])
         out: Allocation = {}
         for j, key in enumerate(job_keys):
             alloc: list[int] = []

@@ -193,8 +193,6 @@ class WaterfillPolicy:
         placed = self._place(keys, target, nodes, base_allocations)
         if not self._runs:
             return placed
-        if len(self._runs) == 1:
-            return self._runs[0].refine(jobs, nodes, base_allocations, weight, placed)
         # independent searches (own seeds and warm-start populations): keep the fittest answer;
         # beyond max_jobs_full jobs proportionally fewer of them (a bound on the cost per round)
         full = self._runs[0].max_jobs_full
@@ -202,9 +200,8 @@ class WaterfillPolicy:
         best, best_fit = placed, -np.inf
         for g in self._runs[:n_runs]:
             out = g.refine(jobs, nodes, base_allocations, weight, placed)
-            fit = g.fitness(jobs, nodes, base_allocations, weight, out)
-            if fit > best_fit:
-                best, best_fit = out, fit
+            if g.last_fitness > best_fit:
+                best, best_fit = out, g.last_fitness
         return best
 
     def _local_search(self, keys, weight, curves, current, total, rel_cost, need) -> dict[str, int]:
