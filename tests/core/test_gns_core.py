@@ -202,3 +202,20 @@ def test_truth_on_digits_within_ten_percent():
         state_v = ema_update(state_v, v_, 0.999)
     assert ema_value(state_s) == pytest.approx(true_sqr, rel=0.10)
     assert ema_value(state_v) == pytest.approx(tr_cov / b0, rel=0.10)
+
+
+def test_sample_interval_keeps_enough_samples_in_the_memory():
+    from adaptrain.core.gns import sample_interval
+
+    # early: the memory is short, every step is sampled
+    assert sample_interval(0.999, 0.0, 0.25, 1.0) == 1
+    assert sample_interval(0.999, 100.0, 0.25, 1.0) == 1  # memory 26 steps < 2 × 16 samples
+    # memory 1 + 0.25·t steps, 16 samples in it: floor((1 + 0.25 t)/16)
+    assert sample_interval(0.999, 500.0, 0.25, 1.0) == 7
+    # capped at AdaptDL's memory (1000 steps) and at max_interval
+    assert sample_interval(0.999, 1e9, 0.25, 1.0) == 16
+    assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=64) == 62
+    # at scale S a step covers S units: the memory holds S times fewer steps
+    assert sample_interval(0.999, 1e9, 0.25, 8.0, max_interval=64) == 7
+    assert sample_interval(0.999, 1e9, None, 1.0, samples_per_window=30, max_interval=64) == 33
+    assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=1) == 1  # AdaptDL: every step

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 
@@ -69,6 +70,34 @@ def test_fit_recovers_step_times_of_synthetic_profile():
         for b in (8, 16, 32, 64, 128):  # 128: an extrapolation
             got, want = fn.throughput(1, r, b, 0), truth.throughput(1, r, b, 0)
             assert abs(got / want - 1) < 0.1, (r, b, got, want)
+
+
+def test_sync_time_measured_on_some_steps_stands_for_every_step():
+    """Sampled steps carry the sync time: the fit uses its mean over the measured steps."""
+
+    def fitted():
+        _metrics.set_batch_size(32, 1024, (8, 128), True)
+        _metrics.update_grad_params(1.0, 1.0)
+        return _metrics.get_goodput_fn(min_samples=3).perf_params
+
+    _synthetic_profile(repeats=4)
+    every = fitted()
+    checkpoint.reset()
+    fn = GoodputFunction(TRUE, (1.0, 1.0), 32)
+    for r in (1, 2, 4):
+        for b in (8, 16, 32, 64):
+            t_accum = TRUE.alpha_c + TRUE.beta_c * b
+            t_optim = r * b / fn.throughput(1, r, b, 0)
+            for k in range(4):
+                _metrics._record(1, r, b, t_accum, accumulation_step=True)
+                sync = t_optim - t_accum if k % 2 == 0 else None  # measured on half the steps
+                _metrics._record(1, r, b, t_optim, False, sync_time=sync)
+    some = fitted()
+    for a, b in zip(every, some):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (every, some)
+    # counting the unmeasured steps as zero wait would have shifted the compute model
+    rec = next(iter(_metrics._state().profile.values()))
+    assert rec["optim_sync_count"] == 2 and rec["optim_count"] == 4
 
 
 def test_noisy_job_walks_up_in_bounded_steps_to_the_optimum_and_holds():

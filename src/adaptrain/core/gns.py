@@ -38,6 +38,7 @@ __all__ = [
     "ema_value",
     "ema_rescale",
     "window_smoothing",
+    "sample_interval",
     "clip_estimate",
     "B3State",
     "b3_init",
@@ -235,6 +236,32 @@ def window_smoothing(smoothing: float, seen: float, window_fraction: float | Non
     if window_fraction is None:
         return smoothing
     return min(smoothing, 1.0 - 1.0 / (1.0 + window_fraction * seen))
+
+
+def sample_interval(
+    smoothing: float,
+    seen: float,
+    window_fraction: float | None,
+    scale: float,
+    samples_per_window: float = 16.0,
+    max_interval: int = 16,
+) -> int:
+    """Optimizer steps between two noise-scale samples, keeping the average's precision.
+
+    The average remembers ``m = 1/(1 − s)`` units of scale, ``s`` from
+    :func:`window_smoothing`; at scale ``S`` per optimizer step that is ``m/S`` steps. Sampling
+    every ``floor(m/(S·samples_per_window))`` steps (between 1 and ``max_interval``) leaves at
+    least ``samples_per_window`` samples inside the memory, so the average's variance stays
+    within about ``1/samples_per_window`` of the every-step one, while later in training the
+    statistics cost is paid on one step in ``max_interval``. Early on (short memory) and at
+    large scales every step is sampled; ``max_interval=1`` samples every step, as AdaptDL.
+    """
+    if max_interval <= 1:
+        return 1
+    base = window_smoothing(smoothing, seen, window_fraction)
+    memory = 1.0 / (1.0 - base) if base < 1.0 else math.inf
+    k = memory / (max(scale, 1e-12) * samples_per_window)
+    return int(min(max_interval, max(1.0, math.floor(k))))
 
 
 def clip_estimate(est: GNSEstimate, min_sqr: Any = 0.0, min_var: Any = 0.0) -> GNSEstimate:

@@ -63,7 +63,14 @@ UNDO_MARGIN = 0.1
 #: New optimizer steps of the fitted configurations that trigger a refit.
 REFIT_SAMPLES = 20
 
-_FIELDS = ("accum_step_time", "accum_count", "optim_step_time", "optim_sync_time", "optim_count")
+_FIELDS = (
+    "accum_step_time",
+    "accum_count",
+    "optim_step_time",
+    "optim_sync_time",
+    "optim_count",
+    "optim_sync_count",  # optimizer steps whose sync time was measured (sampled steps)
+)
 
 
 class _MetricsState(_checkpoint.State):
@@ -88,7 +95,7 @@ class _MetricsState(_checkpoint.State):
         # Not checkpointed: the step being timed.
         self.atomic_bsz: int | None = None
         self.step_start: float | None = None
-        self.sync_time = 0.0
+        self.sync_time: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,10 +114,12 @@ class _MetricsState(_checkpoint.State):
         }
 
     def from_dict(self, d: dict[str, Any]) -> None:
-        self.profile = {
-            (int(r[0]), int(r[1]), int(r[2])): dict(zip(_FIELDS, map(float, r[3:])))
-            for r in d["profile"]
-        }
+        self.profile = {}
+        for r in d["profile"]:
+            rec = dict(zip(_FIELDS, map(float, r[3:])))
+            # checkpoints from before sampling measured the sync time on every step
+            rec.setdefault("optim_sync_count", rec["optim_count"])
+            self.profile[int(r[0]), int(r[1]), int(r[2])] = rec
         self.perf_params = None if d["perf_params"] is None else PerfParams(*d["perf_params"])
         self.grad_params = None if d["grad_params"] is None else tuple(d["grad_params"])
         self.init_batch_size = d["init_batch_size"]
@@ -187,12 +196,13 @@ def profile_step_start(atomic_bsz: int) -> None:
     s = _state()
     s.atomic_bsz = int(atomic_bsz)
     s.step_start = time.perf_counter()
-    s.sync_time = 0.0
+    s.sync_time = None
 
 
 def profile_sync_time(sync_time: float) -> None:
     """Add time spent waiting for the gradient all-reduce to the step being timed."""
-    _state().sync_time += float(sync_time)
+    s = _state()
+    s.sync_time = (s.sync_time or 0.0) + float(sync_time)
 
 
 def profile_step_commit(accumulation_step: bool = False) -> None:
@@ -204,7 +214,7 @@ def profile_step_commit(accumulation_step: bool = False) -> None:
     _record(_num_nodes(), _num_replicas(), s.atomic_bsz, step_time, accumulation_step, s.sync_time)
     s.atomic_bsz = None
     s.step_start = None
-    s.sync_time = 0.0
+    s.sync_time = None
 
 
 def _record(
@@ -213,7 +223,7 @@ def _record(
     atomic_bsz: int,
     step_time: float,
     accumulation_step: bool,
-    sync_time: float = 0.0,
+    sync_time: float | None = None,
 ) -> None:
     """Add one timed micro-batch to the profile of its configuration."""
     s = _state()
@@ -223,7 +233,9 @@ def _record(
         rec["accum_count"] += 1
     else:
         rec["optim_step_time"] += step_time
-        rec["optim_sync_time"] += min(sync_time, step_time)
+        if sync_time is not None:  # measured on this step
+            rec["optim_sync_time"] += min(sync_time, step_time)
+            rec["optim_sync_count"] += 1
         rec["optim_count"] += 1
 
 
@@ -256,7 +268,9 @@ def _fit_perf_params(min_samples: int = 1) -> None:
         return
     nodes, replicas, bsz = (np.array(x) for x in zip(*(k for k, _ in rows)))
     v = {f: np.array([r[f] for _, r in rows], dtype=np.float64) for f in _FIELDS}
-    accum = (v["accum_step_time"] + v["optim_step_time"] - v["optim_sync_time"]) / (
+    # the sync time is measured on sampled steps only: its mean stands for every step
+    sync = v["optim_sync_time"] / np.maximum(v["optim_sync_count"], 1) * v["optim_count"]
+    accum = (v["accum_step_time"] + v["optim_step_time"] - sync) / (
         v["accum_count"] + v["optim_count"]
     )
     optim = v["optim_step_time"] / v["optim_count"]

@@ -2,10 +2,9 @@
 
 Drop-in for ``adaptdl.torch.AdaptiveDataParallel``. On top of DDP it
 
-* collects the gradient noise scale in a DDP communication hook
-  (:func:`adaptrain.torch.gradient_noise_scale.gns_allreduce_hook`): no per-parameter backward
-  hooks, two BLAS dot products per bucket and no extra collective (the replicas' local norms
-  ride on a bucket's all-reduce of the next step, so the statistics lag one step);
+* samples the gradient noise scale (:class:`~adaptrain.torch.gradient_noise_scale.GradientNoiseScale`):
+  every step early in training, then one step in up to 16; the other steps run DDP's own C++
+  all-reduce untouched (no communication hook), so a compression hook can still be registered;
 * scales every param group's ``lr`` by the scaling rule's factor around ``optimizer.step()`` via
   ``optimizer.register_step_pre_hook``/``register_step_post_hook`` (no monkey-patching), then
   restores it and advances the progress by the gain ``r_t``;
@@ -56,7 +55,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         scaling_rule: a :class:`~adaptrain.torch.scaling_rules.ScalingRuleBase`; default
             ``AdamScale`` for Adam/AdamW/RMSprop, ``AdaScale`` otherwise.
         name: unique checkpoint name of this instance.
-        **kwargs: passed to ``DistributedDataParallel`` (a ``comm_hook`` cannot be combined).
+        max_stats_interval: at most this many optimizer steps between two noise-scale samples
+            (default 16; 1 samples every step, as AdaptDL).
+        **kwargs: passed to ``DistributedDataParallel``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised
@@ -71,6 +72,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         mp_scaler: Any = None,
         scaling_rule: ScalingRuleBase | None = None,
         name: str = "adaptdl-dataparallel",
+        max_stats_interval: int = 16,
         **kwargs: Any,
     ) -> None:
         if not torch.distributed.is_initialized():
@@ -84,7 +86,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self._key = id(self)
         self._optimizer = optimizer
         self._mp_scaler = mp_scaler
-        self.gns = GradientNoiseScale(self, optimizer, mp_scaler=mp_scaler)
+        self.gns = GradientNoiseScale(
+            self, optimizer, mp_scaler=mp_scaler, max_interval=max_stats_interval
+        )
         self.gns.register(self)
         self.scaling_rule = (
             scaling_rule if scaling_rule is not None else (default_scaling_rule(optimizer))
@@ -122,8 +126,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.gns.count_micro_batch()
         self._rt.last_sync = sync
         if sync:
-            self.gns.begin_step(accum_steps=accum)
+            self.gns.begin_step(accum_steps=accum, scale=self._rt.scale)
             return super().forward(*args, **kwargs)
+        self.gns.begin_accumulation()
         with self.no_sync():
             return super().forward(*args, **kwargs)
 
@@ -150,7 +155,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         if not self._rt.last_sync:
             self._stash_grads()
             return False
-        _metrics.profile_sync_time(self.gns.last_sync_time)
+        sync_time = self.gns.take_sync_time()
+        if sync_time is not None:  # measured on sampled steps only
+            _metrics.profile_sync_time(sync_time)
         self.gns.finish_step(self._rt.scale)
         return True
 
