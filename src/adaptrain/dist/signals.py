@@ -10,7 +10,9 @@ Protocol (AdaptDL's, made explicit):
    signal numbers) and starts the next one. The allreduce overlaps the step's compute, and since
    every replica reads the same reduced value at the same step, all of them stop after the same
    step, even when only one of them got the signal (as when torchrun forwards SIGTERM, or a
-   user presses Ctrl-C on one node).
+   user presses Ctrl-C on one node). The allreduce is one int64 tensor on a gloo group of its
+   own, launched from the calling thread (gloo's threads carry it; no pickling, no Python
+   thread): AdaptDL's object allreduce per step cost ~0.4 ms of a 3 ms step on 2 CPU cores.
 3. :func:`graceful_exit` saves every State once (``save_all_states``: rank 0 writes, then a
    barrier so no replica exits before the checkpoint is complete), destroys the process group and
    leaves with **exit code 143 after SIGTERM, 130 after SIGINT**, on every replica (torchrun
@@ -52,9 +54,9 @@ import os
 import signal
 import sys
 import threading
-from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from adaptrain.dist import checkpoint, collective
@@ -77,7 +79,10 @@ logger = logging.getLogger(__name__)
 
 _signum = 0  # first signal received by this process, 0 if none
 _previous: dict[int, Any] = {}
-_pending: Future | None = None
+# The poll in flight: (int64 tensor, its all-reduce work or None in a single process).
+_pending: tuple[torch.Tensor, Any] | None = None
+_group: Any = None  # the gloo group of the stop polls, and the default group it was made for
+_group_of: Any = None
 
 EXIT_MODES = ("fast", "full", "immediate")
 _exit_mode = "fast"
@@ -133,11 +138,39 @@ def poll_stop() -> int:
     """
     global _pending
     _disarm()  # still training: a caught SystemExit must not end the process later
-    agreed = _pending.result() if _pending is not None else 0
+    agreed = 0
+    if _pending is not None:
+        flag, work = _pending
+        if work is not None:
+            work.wait()
+        agreed = int(flag[0])
     _pending = None
     if not agreed:
-        _pending = collective.allreduce_async(_signum, max)
-    return int(agreed)
+        flag = torch.tensor([_signum], dtype=torch.int64)
+        work = None
+        if collective.is_distributed():
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_stop_group(), async_op=True)
+        _pending = (flag, work)
+    return agreed
+
+
+def _forget_group() -> None:
+    global _group, _group_of
+    _group = _group_of = None
+
+
+def _stop_group() -> Any:
+    """The gloo group of the stop polls (created collectively at the first poll).
+
+    Its own group: the object collectives run on a background thread, and two threads sharing
+    one group could order their collectives differently on different replicas.
+    """
+    global _group, _group_of
+    default = dist.group.WORLD
+    if _group is None or _group_of is not default:
+        _group = dist.new_group(backend="gloo")
+        _group_of = default
+    return _group
 
 
 def exit_mode() -> str:
@@ -225,6 +258,7 @@ def graceful_exit(signum: int, mode: str | None = None) -> None:
     name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else signum
     logger.info("stopping on %s: %s", name, "checkpoint saved" if saved else "checkpointing is off")
     collective.teardown()
+    _forget_group()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     code = 128 + signum
@@ -249,14 +283,15 @@ def uninstall() -> None:
 
 def reset() -> None:
     """Forget a received signal and any pending poll, and uninstall (tests, in-process restarts)."""
-    global _signum, _pending
-    if _pending is not None:
+    global _signum, _pending, _group, _group_of
+    if _pending is not None and _pending[1] is not None:
         try:
-            _pending.result(timeout=30)
+            _pending[1].wait()
         except Exception:  # noqa: BLE001 - the group may be gone already
             pass
     _signum = 0
     _pending = None
+    _group = _group_of = None
     _disarm()
     uninstall()
 
