@@ -35,8 +35,16 @@ def _model(seed: int = 0, wide: bool = False) -> torch.nn.Module:
 
 # Several buckets, and gradients that are views of DDP's buckets (all-reduced in place: the
 # local norms must be taken before their bucket is launched).
-BUCKETS = [None, {"bucket_cap_mb": 0.1}, {"bucket_cap_mb": 0.1, "gradient_as_bucket_view": True}]
-BUCKET_IDS = ["1bucket", "buckets", "views"]
+# DDP's static graph and unused-parameter search change when and where it queues its own
+# end-of-backward work; the statistics' callbacks must still run around it.
+BUCKETS = [
+    None,
+    {"bucket_cap_mb": 0.1},
+    {"bucket_cap_mb": 0.1, "gradient_as_bucket_view": True},
+    {"bucket_cap_mb": 0.1, "static_graph": True},
+    {"bucket_cap_mb": 0.1, "find_unused_parameters": True},
+]
+BUCKET_IDS = ["1bucket", "buckets", "views", "static", "unused"]
 
 
 def _indices(steps: int, ws: int, b: int, seed: int = 1):

@@ -10,16 +10,15 @@ average keeps at least ``samples_per_window`` samples within its memory. Every o
 plain DDP: no communication hook, no Python per bucket, DDP's C++ all-reduce. On a sampled
 step, and only there,
 
-* the first post-accumulate-grad hook of the backward pass queues an autograd-engine callback;
-* that callback runs at the end of the backward pass, before DDP's finalisation: DDP (without
-  ``gradient_as_bucket_view``) has not copied the averages back, so ``p.grad`` is still this
-  replica's own accumulated gradient; it takes the local norm² ``|g_i|²`` with one
-  ``_foreach_norm`` and queues its all-reduce (one float64) behind DDP's last bucket, waited for
-  one step later, never on the critical path. With bucket views each parameter's hook takes
-  its norm² instead, before DDP's own hook of that parameter launches the bucket;
-* it then queues a second callback, which therefore runs after DDP's finalisation (the trick
-  AdaptDL uses): the gradients are averaged, and it takes their norm² with one
-  ``_foreach_norm``;
+* a post-accumulate-grad hook on each parameter takes the local norm² ``|g_i|²`` of its
+  accumulated gradient *before* DDP reduces it (the hook runs before DDP's own hook of that
+  parameter, so its bucket has not been launched yet), and the first one queues an
+  autograd-engine callback;
+* that callback runs at the end of the backward pass: it sums the local norms² and queues their
+  all-reduce (one float64) behind DDP's last bucket, waited for one step later, never on the
+  critical path; then it queues a second callback, which therefore runs after DDP's
+  finalisation (the trick AdaptDL uses): the gradients are averaged, and it takes their norm²
+  with one ``_foreach_norm``;
 * the time between the two callbacks is the all-reduce wait left after the backward pass
   (:meth:`GradientNoiseScale.take_sync_time`, the goodput model's sync time).
 
@@ -91,7 +90,6 @@ class _StepCollector:
 
     __slots__ = (
         "params",
-        "views",
         "process_group",
         "world_size",
         "handles",
@@ -110,11 +108,8 @@ class _StepCollector:
         "step_index",
     )
 
-    def __init__(
-        self, params: list[torch.Tensor], process_group: Any, world_size: int, views: bool
-    ) -> None:
+    def __init__(self, params: list[torch.Tensor], process_group: Any, world_size: int) -> None:
         self.params = params
-        self.views = views  # DDP's gradient_as_bucket_view: grads are reduced in place
         self.process_group = process_group
         self.world_size = world_size
         self.handles: list[Any] = []
@@ -323,8 +318,7 @@ class GradientNoiseScale:
                 f"group has {ws}; construct it with num_replicas={ws}"
             )
         params = [p for p in ddp.module.parameters() if p.requires_grad]
-        views = bool(getattr(ddp, "gradient_as_bucket_view", False))
-        self._collector = _StepCollector(params, group, ws, views)
+        self._collector = _StepCollector(params, group, ws)
 
     def begin_step(
         self, accum_steps: int = 1, enabled: bool = True, scale: float | None = None
@@ -352,10 +346,13 @@ class GradientNoiseScale:
             scaler = self._mp_scaler
             c.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         if (c.stats or c.snapshot or c.accum > 1) and not c.handles:
-            # Any parameter's hook may come first (and one may be unused): hook them all.
-            # With bucket views the local norms must be taken here, before each bucket is
-            # reduced in place; otherwise the gradients stay local until DDP's finalisation.
-            hook = self._on_grad_norm if (c.views and c.world_size > 1) else self._on_grad
+            # Any parameter's hook may come first (and one may be unused): hook them all. The
+            # local norms are taken in the hooks, before DDP's own hook of each parameter: by
+            # the end of the backward pass DDP may have averaged the gradients already (bucket
+            # views are reduced in place; a static graph reduces everything in a callback
+            # queued before ours on its first iteration).
+            sampled = c.stats and c.world_size > 1
+            hook = self._on_grad_norm if sampled else self._on_grad
             c.handles = [p.register_post_accumulate_grad_hook(hook) for p in c.params]
 
     def begin_accumulation(self) -> None:
@@ -376,7 +373,7 @@ class GradientNoiseScale:
             _queue_callback(self._end_of_backward)
 
     def _on_grad_norm(self, p: torch.Tensor) -> None:
-        """Bucket views: also take the local norm² now (DDP has not launched its bucket)."""
+        """Sampled step: also take the local norm² now (DDP has not launched its bucket)."""
         c = self._collector
         if not c.queued:
             c.queued = True
@@ -387,10 +384,9 @@ class GradientNoiseScale:
     def _end_of_backward(self) -> None:
         """Callback queued before DDP's: the backward pass is done, DDP still finishing.
 
-        On a sampled step with several replicas the local norm² is taken (without bucket views
-        the gradients are still this replica's own: DDP copies the averages back in its
-        finalisation) and its all-reduce queued behind DDP's last bucket, so the two share
-        their latency; it is waited for one step later.
+        On a sampled step with several replicas the local norms² taken in the hooks are summed
+        and their all-reduce queued behind DDP's last bucket, so the two share their latency;
+        it is waited for one step later.
         """
         c = self._collector
         c.t_backward = time.perf_counter()
@@ -398,11 +394,7 @@ class GradientNoiseScale:
             h.remove()
         c.handles = []
         if c.stats and c.world_size > 1:
-            if c.views:
-                local = torch.stack(c.local).double().sum() if c.local else None
-            else:
-                grads = [p.grad for p in c.params if p.grad is not None]
-                local = _sqnorm_all(grads) if grads else None
+            local = torch.stack(c.local).double().sum() if c.local else None
             if local is not None:
                 local = local / float(c.accum * c.accum)
                 scaler = c.scaler
