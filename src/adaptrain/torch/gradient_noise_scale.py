@@ -10,15 +10,17 @@ average keeps at least ``samples_per_window`` samples within its memory. Every o
 plain DDP: no communication hook, no Python per bucket, DDP's C++ all-reduce. On a sampled
 step, and only there,
 
-* a post-accumulate-grad hook on each parameter takes the local norm² ``|g_i|²`` of its
-  accumulated gradient *before* DDP reduces it (the hook runs before DDP's own hook of that
-  parameter, so its bucket has not been launched yet), and the first one queues an
-  autograd-engine callback;
-* that callback runs at the end of the backward pass: it sums the local norms² and queues their
-  all-reduce (one float64) behind DDP's last bucket, waited for one step later, never on the
-  critical path; then it queues a second callback, which therefore runs after DDP's
-  finalisation (the trick AdaptDL uses): the gradients are averaged, and it takes their norm²
-  with one ``_foreach_norm``;
+* the first post-accumulate-grad hook of the backward pass queues an autograd-engine callback;
+* that callback runs at the end of the backward pass, before DDP's finalisation: DDP has not
+  copied the averages back yet, so ``p.grad`` is still this replica's accumulated gradient; it
+  takes the local norm² ``|g_i|²`` with one ``_foreach_norm`` (while the buckets' all-reduces
+  are in flight) and queues its all-reduce (one float64) behind DDP's last bucket, waited for
+  one step later, never on the critical path. With ``gradient_as_bucket_view`` or a static
+  graph DDP may have averaged the gradients by then: each parameter's hook takes its norm²
+  instead, before DDP's own hook of that parameter launches its bucket;
+* it then queues a second callback, which therefore runs after DDP's finalisation (the trick
+  AdaptDL uses): the gradients are averaged, and it takes their norm² with one
+  ``_foreach_norm``;
 * the time between the two callbacks is the all-reduce wait left after the backward pass
   (:meth:`GradientNoiseScale.take_sync_time`, the goodput model's sync time).
 
@@ -83,13 +85,15 @@ class _StepCollector:
 
     ``stats`` marks a sampled step; ``snapshot`` (single replica) keeps this step's gradient
     for the next step's pair; ``accum`` is the number of micro-batches to divide by. ``local``
-    receives the 0-dim ``|g_i|²`` of each parameter with bucket views (R ≥ 2), ``reduce`` the
+    receives the 0-dim ``|g_i|²`` of each parameter when ``in_hooks`` (R ≥ 2), ``reduce`` the
     replica's local norm² and its all-reduce in flight, ``result`` the step's measurement
     (tensors, read one step later), ``sync_time`` the wait measured between the callbacks.
     """
 
     __slots__ = (
         "params",
+        "ddp",
+        "in_hooks",
         "process_group",
         "world_size",
         "handles",
@@ -108,8 +112,12 @@ class _StepCollector:
         "step_index",
     )
 
-    def __init__(self, params: list[torch.Tensor], process_group: Any, world_size: int) -> None:
+    def __init__(
+        self, params: list[torch.Tensor], ddp: Any, process_group: Any, world_size: int
+    ) -> None:
         self.params = params
+        self.ddp = ddp
+        self.in_hooks = False  # this step's local norms are taken in the parameters' hooks
         self.process_group = process_group
         self.world_size = world_size
         self.handles: list[Any] = []
@@ -318,7 +326,7 @@ class GradientNoiseScale:
                 f"group has {ws}; construct it with num_replicas={ws}"
             )
         params = [p for p in ddp.module.parameters() if p.requires_grad]
-        self._collector = _StepCollector(params, group, ws)
+        self._collector = _StepCollector(params, ddp, group, ws)
 
     def begin_step(
         self, accum_steps: int = 1, enabled: bool = True, scale: float | None = None
@@ -346,13 +354,24 @@ class GradientNoiseScale:
             scaler = self._mp_scaler
             c.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
         if (c.stats or c.snapshot or c.accum > 1) and not c.handles:
-            # Any parameter's hook may come first (and one may be unused): hook them all. The
-            # local norms are taken in the hooks, before DDP's own hook of each parameter: by
-            # the end of the backward pass DDP may have averaged the gradients already (bucket
-            # views are reduced in place; a static graph reduces everything in a callback
-            # queued before ours on its first iteration).
-            sampled = c.stats and c.world_size > 1
-            hook = self._on_grad_norm if sampled else self._on_grad
+            # Any parameter's hook may come first (and one may be unused): hook them all.
+            # Without bucket views or a static graph, DDP copies the averages back into the
+            # gradients only in its finalisation, so the first callback still sees the local
+            # gradients and takes their norm in one pass while the buckets are in flight.
+            # Bucket views are reduced in place, and a static graph reduces everything in a
+            # callback queued before ours on its first iteration: there the norms are taken
+            # in each parameter's hook, before DDP's own hook launches its bucket (on the
+            # critical path, so only when needed).
+            ddp = c.ddp
+            c.in_hooks = (
+                c.stats
+                and c.world_size > 1
+                and bool(
+                    getattr(ddp, "gradient_as_bucket_view", False)
+                    or getattr(ddp, "static_graph", False)
+                )
+            )
+            hook = self._on_grad_norm if c.in_hooks else self._on_grad
             c.handles = [p.register_post_accumulate_grad_hook(hook) for p in c.params]
 
     def begin_accumulation(self) -> None:
@@ -384,9 +403,9 @@ class GradientNoiseScale:
     def _end_of_backward(self) -> None:
         """Callback queued before DDP's: the backward pass is done, DDP still finishing.
 
-        On a sampled step with several replicas the local norms² taken in the hooks are summed
-        and their all-reduce queued behind DDP's last bucket, so the two share their latency;
-        it is waited for one step later.
+        On a sampled step with several replicas the local norm² is taken (or summed from the
+        hooks) and its all-reduce queued behind DDP's last bucket, so the two share their
+        latency; it is waited for one step later.
         """
         c = self._collector
         c.t_backward = time.perf_counter()
@@ -394,7 +413,11 @@ class GradientNoiseScale:
             h.remove()
         c.handles = []
         if c.stats and c.world_size > 1:
-            local = torch.stack(c.local).double().sum() if c.local else None
+            if c.in_hooks:
+                local = torch.stack(c.local).double().sum() if c.local else None
+            else:
+                grads = [p.grad for p in c.params if p.grad is not None]
+                local = _sqnorm_all(grads) if grads else None
             if local is not None:
                 local = local / float(c.accum * c.accum)
                 scaler = c.scaler
