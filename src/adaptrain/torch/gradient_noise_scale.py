@@ -343,7 +343,7 @@ class GradientNoiseScale:
         c = self._collector
         if c is None:
             return
-        c.reset()
+        self._remove_hooks()  # left by a forward pass whose backward never ran
         c.accum = max(int(accum_steps), 1)
         c.scale = scale
         if enabled:
@@ -353,7 +353,7 @@ class GradientNoiseScale:
         if c.stats or c.snapshot:
             scaler = self._mp_scaler
             c.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
-        if (c.stats or c.snapshot or c.accum > 1) and not c.handles:
+        if c.stats or c.snapshot or c.accum > 1:
             # Any parameter's hook may come first (and one may be unused): hook them all.
             # Without bucket views or a static graph, DDP copies the averages back into the
             # gradients only in its finalisation, so the first callback still sees the local
@@ -377,12 +377,15 @@ class GradientNoiseScale:
     def begin_accumulation(self) -> None:
         """A non-synchronising micro-batch follows: make sure no hook of a step left armed
         (its backward never ran) measures or divides its gradients."""
+        if self._collector is not None and self._collector.handles:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
         c = self._collector
-        if c is not None and c.handles:
-            for h in c.handles:
-                h.remove()
-            c.handles = []
-            c.reset()
+        for h in c.handles:
+            h.remove()
+        c.handles = []
+        c.reset()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """A parameter's local gradient is accumulated: arm the end-of-backward callback."""
@@ -411,7 +414,7 @@ class GradientNoiseScale:
         c.t_backward = time.perf_counter()
         for h in c.handles:
             h.remove()
-        c.handles = []
+        c.handles = []  # the step's state stays: the second callback reads it
         if c.stats and c.world_size > 1:
             if c.in_hooks:
                 local = torch.stack(c.local).double().sum() if c.local else None
