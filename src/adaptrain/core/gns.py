@@ -121,12 +121,17 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
     """AdaScale gain ``r = (var + sqr) / (var/scale + sqr)``; 1 where the statistics are empty.
 
     ``sqr`` and ``var`` are clipped at 0 (a raw average can dip below), so ``1 ≤ r ≤ scale``.
+    Both are first divided by the larger of the two, so that subnormal statistics (a vanishing
+    gradient) keep the bounds: ``var/scale`` of a subnormal ``var`` loses its precision.
     """
     if type(sqr) is float and type(var) is float and isinstance(scale, (int, float)):
         # fast path for Python floats (IEEE doubles: the same result as the numpy path)
         sqr_f, var_f = max(sqr, 0.0), max(var, 0.0)
-        denom = var_f / scale + sqr_f
-        return (var_f + sqr_f) / denom if denom > 0 else 1.0
+        top = max(sqr_f, var_f)
+        if not top > 0:
+            return 1.0
+        sqr_f, var_f = sqr_f / top, var_f / top
+        return (var_f + sqr_f) / (var_f / scale + sqr_f)
     import numpy as np
 
     if _is_tensor(sqr) or _is_tensor(var) or _is_tensor(scale):
@@ -135,12 +140,18 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
         sqr_t = torch.as_tensor(sqr, dtype=torch.float64).clamp_min(0.0)
         var_t = torch.as_tensor(var, dtype=torch.float64).clamp_min(0.0)
         scale_t = torch.as_tensor(scale, dtype=torch.float64)
+        top = torch.maximum(sqr_t, var_t)
+        top = torch.where(top > 0, top, torch.ones_like(top))
+        sqr_t, var_t = sqr_t / top, var_t / top
         denom = var_t / scale_t + sqr_t
         safe = torch.where(denom > 0, denom, torch.ones_like(denom))
         return torch.where(denom > 0, (var_t + sqr_t) / safe, torch.ones_like(denom))
     sqr_a = np.maximum(np.asarray(sqr, dtype=np.float64), 0.0)
     var_a = np.maximum(np.asarray(var, dtype=np.float64), 0.0)
     scale_a = np.asarray(scale, dtype=np.float64)
+    top = np.maximum(sqr_a, var_a)
+    top = np.where(top > 0, top, 1.0)
+    sqr_a, var_a = sqr_a / top, var_a / top
     denom = var_a / scale_a + sqr_a
     with np.errstate(divide="ignore", invalid="ignore"):
         out = np.where(denom > 0, (var_a + sqr_a) / np.where(denom > 0, denom, 1.0), 1.0)

@@ -279,11 +279,7 @@ class GradientNoiseScale:
 
     def gain(self, scale: float) -> float:
         """AdaScale gain ``(var + sqr)/(var/scale + sqr)`` at ``scale`` (1 before any estimate)."""
-        # core.gns.gain's formula on Python floats (its numpy path costs ~20 µs per call, and
-        # this runs twice per optimizer step); test_gns checks that both agree.
-        sqr, var = self.sqr_avg(), self.var_avg()
-        denom = var / scale + sqr
-        return (var + sqr) / denom if denom > 0 else 1.0
+        return _gns.gain(self.sqr_avg(), self.var_avg(), float(scale))  # its float fast path
 
     def get_progress(self) -> float:
         return self._progress

@@ -33,6 +33,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import adaptrain.checkpoint as _checkpoint
+from adaptrain.core import gns as _gns
 from adaptrain.torch import _metrics
 from adaptrain.torch.data import current_dataloader
 from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
@@ -170,10 +171,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
     def _end_optimizer_step(self, scale: float, lr_factor: float) -> None:
         gns = self.gns
         sqr, var = gns.sqr_avg(), gns.var_avg()
-        # GradientNoiseScale.gain's formula on the values just read (one read per step);
-        # at scale 1 it is exactly 1.0 ((v + s)/(v/1 + s) with identical operands).
-        denom = var / scale + sqr
-        gain = (var + sqr) / denom if denom > 0 else 1.0
+        # the gain on the values just read (one read per step); at scale 1 it is exactly 1.0
+        # ((v + s)/(v/1 + s) with identical operands)
+        gain = _gns.gain(sqr, var, float(scale))
         progress = gns.get_progress() + gain
         gns.set_progress(progress)
         state = self._state
