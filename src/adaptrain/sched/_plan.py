@@ -122,21 +122,13 @@ class WeightedGeneticSearch(PolluxPolicy):
         gens = max(1, min(self.generations, self.generations * self.max_jobs_full // len(job_keys)))
         for _ in range(gens):
             pop, F, rank, crowd = self._generation(pop, F, rank, crowd, base)
-        self._prev_states = pop.copy()
-        self._prev_jobs = list(job_keys)
-        self._prev_nodes = list(node_keys)
+        self._remember(pop, job_keys, node_keys)
         best = int(np.argmin(F[:, 0]))
         if not F[best, 0] < seed_fit - 1e-9 * max(1.0, abs(seed_fit)):
             self.last_fitness = -seed_fit
             return {k: list(v) for k, v in seed_allocations.items()}
         self.last_fitness = -float(F[best, 0])
-        out: Allocation = {}
-        for j, key in enumerate(job_keys):
-            alloc: list[int] = []
-            for n, node in enumerate(node_keys):
-                alloc.extend([node] * int(pop[best, j, n]))
-            out[key] = alloc
-        return out
+        return self._allocations(pop[best], job_keys, node_keys)
 
     def fitness(
         self,
@@ -152,17 +144,3 @@ class WeightedGeneticSearch(PolluxPolicy):
         job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)
         state = self._matrix(allocations, job_keys, node_keys)
         return -float(self._evaluate(state[None], base)[0, 0])
-
-    @staticmethod
-    def _matrix(
-        allocations: Mapping[str, Sequence[int]], job_keys: list[str], node_keys: list[int]
-    ) -> np.ndarray:
-        jidx = {k: i for i, k in enumerate(job_keys)}
-        nidx = {k: i for i, k in enumerate(node_keys)}
-        out = np.zeros((len(job_keys), len(node_keys)), dtype=np.int64)
-        for key, alloc in allocations.items():
-            if key in jidx:
-                for node in alloc:
-                    if node in nidx:
-                        out[jidx[key], nidx[node]] += 1
-        return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -276,15 +276,7 @@ class PolluxPolicy:
             ),
         )
         node_keys = sorted(nodes, key=lambda k: (nodes[k].preemptible, k))
-        J, N = len(job_keys), len(node_keys)
-        jidx = {k: i for i, k in enumerate(job_keys)}
-        nidx = {k: i for i, k in enumerate(node_keys)}
-        base = np.zeros((J, N), dtype=np.int64)
-        for key, alloc in base_allocations.items():
-            if key in jidx:
-                for node in alloc:
-                    if node in nidx:
-                        base[jidx[key], nidx[node]] += 1
+        base = self._matrix(base_allocations, job_keys, node_keys)
         self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
         if self._prev_states is None:
             pop = base[None].copy()
@@ -296,19 +288,42 @@ class PolluxPolicy:
         crowd = _crowding(F, rank)
         for _ in range(self.generations):
             pop, F, rank, crowd = self._generation(pop, F, rank, crowd, base)
+        self._remember(pop, job_keys, node_keys)
+        front = np.flatnonzero(nondominated_ranks(F) == 0)
+        best = front[np.argmin(F[front, 0])]
+        return self._allocations(pop[best], job_keys, node_keys)
+
+    def _remember(self, pop: np.ndarray, job_keys: list[str], node_keys: list[int]) -> None:
+        """Keep the final population as the next round's warm start."""
         self._prev_states = pop.copy()
         self._prev_jobs = list(job_keys)
         self._prev_nodes = list(node_keys)
-        front = np.flatnonzero(nondominated_ranks(F) == 0)
-        best = front[np.argmin(F[front, 0])]
-        state = pop[best]
-        allocations: Allocation = {}
+
+    @staticmethod
+    def _matrix(
+        allocations: Mapping[str, Sequence[int]], job_keys: list[str], node_keys: list[int]
+    ) -> np.ndarray:
+        """Allocations as a jobs x nodes matrix of replica counts (unknown keys ignored)."""
+        jidx = {k: i for i, k in enumerate(job_keys)}
+        nidx = {k: i for i, k in enumerate(node_keys)}
+        out = np.zeros((len(job_keys), len(node_keys)), dtype=np.int64)
+        for key, alloc in allocations.items():
+            if key in jidx:
+                for node in alloc:
+                    if node in nidx:
+                        out[jidx[key], nidx[node]] += 1
+        return out
+
+    @staticmethod
+    def _allocations(state: np.ndarray, job_keys: list[str], node_keys: list[int]) -> Allocation:
+        """A jobs x nodes matrix of replica counts as allocations (node keys in order)."""
+        out: Allocation = {}
         for j, key in enumerate(job_keys):
             alloc: list[int] = []
             for n, node in enumerate(node_keys):
                 alloc.extend([node] * int(state[j, n]))
-            allocations[key] = alloc
-        return allocations
+            out[key] = alloc
+        return out
 
     def _generation(self, pop, F, rank, crowd, base: np.ndarray):
         rng = self.rng
