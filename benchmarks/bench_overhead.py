@@ -1,12 +1,13 @@
 """Step-time overhead of AdaptiveDataParallel (statistics on) over plain DistributedDataParallel.
 
 All variants wrap the same model on the same 2-process gloo group and train on the same batches
-(digits, fixed batch size): plain DDP; DDP with torch's Python ``allreduce_hook`` (what any
+(digits, fixed batch size): plain DDP; a second plain DDP (the A/A control: how far two
+identical variants read apart); DDP with torch's Python ``allreduce_hook`` (what any
 Python communication hook costs); ADP with its default sampled statistics, warmed up past the
 early every-step phase (the steady state of a run longer than ~1000 steps); and ADP sampling
 every step (``max_stats_interval=1``, AdaptDL's cadence and the cost of the first ~100 steps).
 Each of ``--reps`` repetitions runs a block of ``--steps`` steps of each (rotating order),
-timing every step; the ratio of a block's median step time to the adjacent DDP block's is one
+timing every step; the ratio of a block's mean step time to the adjacent DDP block's is one
 paired sample and the median over repetitions is reported (robust to load that drifts, and to
 preemption spikes on a shared machine).
 

@@ -75,6 +75,12 @@ def _sqnorm_all(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([_sqnorm(g.reshape(-1)).double() for g in grads]).sum()
 
 
+def _inv_scale_sq(scaler: Any) -> torch.Tensor | None:
+    """``1/loss_scale²`` of an enabled GradScaler (its current scale tensor), else None."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None else None
+    return None if scale is None else scale.detach().double().reciprocal().square()
+
+
 def _queue_callback(fn: Any) -> None:
     """Run ``fn`` when the current backward pass ends (after callbacks queued before it)."""
     Variable._execution_engine.queue_callback(fn)
@@ -304,9 +310,6 @@ class GradientNoiseScale:
             self._max_interval,
         )
 
-    def _due(self, scale: float | None, ahead: int = 0) -> bool:
-        return self._steps_since + 1 + ahead >= self.sample_interval(scale)
-
     # ----- collection --------------------------------------------------------------------------
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Collect the statistics of ``ddp``'s parameters (no communication hook is installed).
@@ -343,9 +346,11 @@ class GradientNoiseScale:
         c.accum = max(int(accum_steps), 1)
         c.scale = scale
         if enabled:
-            c.stats = self._due(scale)
+            since = self._steps_since + 1  # steps since the last sample, this one included
+            interval = self.sample_interval(scale)
+            c.stats = since >= interval
             # a single replica pairs two consecutive steps: keep the one before a sample
-            c.snapshot = c.world_size == 1 and (c.stats or self._due(scale, ahead=1))
+            c.snapshot = c.world_size == 1 and since + 1 >= interval
         if c.stats or c.snapshot:
             scaler = self._mp_scaler
             c.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
@@ -419,9 +424,9 @@ class GradientNoiseScale:
                 local = _sqnorm_all(grads) if grads else None
             if local is not None:
                 local = local / float(c.accum * c.accum)
-                scaler = c.scaler
-                if scaler is not None and getattr(scaler, "_scale", None) is not None:
-                    local = local * scaler._scale.detach().double().reciprocal().square()
+                inv2 = _inv_scale_sq(c.scaler)
+                if inv2 is not None:
+                    local = local * inv2
                 red = local.reshape(1)
                 c.reduce = (red, dist.all_reduce(red, group=c.process_group, async_op=True))
         _queue_callback(self._after_sync)  # now queued behind DDP's finalisation
@@ -437,9 +442,7 @@ class GradientNoiseScale:
             torch._foreach_div_(grads, float(c.accum))
         if not (c.stats or c.snapshot):
             return
-        inv2 = None
-        if c.scaler is not None and getattr(c.scaler, "_scale", None) is not None:
-            inv2 = c.scaler._scale.detach().double().reciprocal().square()
+        inv2 = _inv_scale_sq(c.scaler)
         if c.world_size > 1:
             if c.reduce is None:
                 return
