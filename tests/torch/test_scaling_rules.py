@@ -89,3 +89,61 @@ def test_bad_input():
     with pytest.raises(NotImplementedError):
         ScalingRuleBase().scale_lr(2.0)
     assert rule.adp is not None
+
+
+class _Stepper(_Owner):
+    """Adds what the step hooks call on their AdaptiveDataParallel."""
+
+    def __init__(self, scale: float, **kw):
+        super().__init__(sqr=1.0, var=4.0, **kw)
+        self.scale, self.sync, self.ended = scale, True, []
+
+    def _begin_optimizer_step(self):
+        return self.sync
+
+    def _step_scale(self):
+        return self.scale
+
+    def _end_optimizer_step(self, scale, factor):
+        self.ended.append((scale, factor))
+
+
+def _hooked(scale: float):
+    owner = _Stepper(scale)
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    opt = torch.optim.SGD([p], lr=0.1)
+    AdaScale().initialize(owner, opt, patch_optimizer=True)
+    seen = []
+
+    def closure():  # runs inside step(), after the pre-hook
+        seen.append(opt.param_groups[0]["lr"])
+
+    return owner, opt, seen, closure
+
+
+def test_step_hooks_scale_then_restore_the_lr():
+    owner, opt, seen, closure = _hooked(4.0)
+    opt.step(closure)
+    assert seen == [pytest.approx(0.25)] and opt.param_groups[0]["lr"] == 0.1  # 0.1 x 2.5
+    assert owner.ended == [(4.0, pytest.approx(2.5))]
+    owner.sync = False  # an accumulation micro-batch: no scaling, no end-of-step
+    opt.step(closure)
+    assert seen[-1] == 0.1 and len(owner.ended) == 1
+    owner2, opt2, seen2, closure2 = _hooked(1.0)  # factor 1: lr untouched, step still ends
+    opt2.step(closure2)
+    assert seen2 == [0.1] and owner2.ended == [(1.0, 1.0)]
+
+
+def test_a_step_that_raises_does_not_leave_the_lr_scaled():
+    owner, opt, seen, closure = _hooked(4.0)
+
+    def failing():
+        closure()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step(failing)  # torch skips the post-hook: lr is left at 0.25 for now
+    opt.step(closure)  # the next pre-hook restores 0.1 before scaling again
+    assert seen == [pytest.approx(0.25), pytest.approx(0.25)]
+    assert opt.param_groups[0]["lr"] == 0.1 and len(owner.ended) == 1

@@ -50,6 +50,7 @@ class ScalingRuleBase:
         self._optimizer: torch.optim.Optimizer | None = None
         self._handles: list[Any] = []
         self._saved_lr: list[Any] | None = None
+        self._in_step = False  # between a real step's pre and post hooks
         self._step_scale = 1.0
         self.last_factor = 1.0
 
@@ -86,16 +87,23 @@ class ScalingRuleBase:
         adp = self.adp
         if adp is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
-        self._saved_lr = None
+        if self._saved_lr is not None:  # the last step raised before its post hook: undo it
+            for lr, pg in zip(self._saved_lr, optimizer.param_groups):
+                pg["lr"] = lr
+            self._saved_lr = None
+        self._in_step = False
         if not adp._begin_optimizer_step():
             return  # an accumulation micro-batch: the optimizer sees no gradient
+        self._in_step = True
         scale = adp._step_scale()
         self._step_scale = scale
         factor = self.scale_lr(scale)
         groups = optimizer.param_groups
         if isinstance(factor, (int, float)):
-            factors = [float(factor)] * len(groups)
             self.last_factor = float(factor)
+            if factor == 1.0:
+                return  # every lr unchanged: nothing to scale or restore
+            factors = [float(factor)] * len(groups)
         else:  # one factor per param group
             factors = np.broadcast_to(np.asarray(factor, dtype=np.float64), (len(groups),))
             self.last_factor = float(np.mean(factors))
@@ -104,11 +112,13 @@ class ScalingRuleBase:
             pg["lr"] = pg["lr"] * float(f)
 
     def _post_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._saved_lr is None:
+        if not self._in_step:
             return
-        for lr, pg in zip(self._saved_lr, optimizer.param_groups):
-            pg["lr"] = lr
-        self._saved_lr = None
+        self._in_step = False
+        if self._saved_lr is not None:
+            for lr, pg in zip(self._saved_lr, optimizer.param_groups):
+                pg["lr"] = lr
+            self._saved_lr = None
         self.adp._end_optimizer_step(self._step_scale, self.last_factor)
 
     # ----- AdaptDL's explicit API --------------------------------------------------------------
