@@ -3,15 +3,19 @@
 All variants wrap the same model on the same 2-process gloo group and train on the same batches
 (digits, fixed batch size): plain DDP; a second plain DDP (the A/A control: how far two
 identical variants read apart); DDP with torch's Python ``allreduce_hook`` (what any
-Python communication hook costs); ADP with its default sampled statistics, warmed up past the
-early every-step phase (the steady state of a run longer than ~1000 steps); and ADP sampling
-every step (``max_stats_interval=1``, AdaptDL's cadence and the cost of the first ~100 steps).
+Python communication hook costs); ADP with its default sampled statistics (one step in 32),
+warmed up past the early every-step phase (the steady state of a run longer than ~2000 steps);
+the same with ``max_stats_interval=16`` (the session-3 default); and ADP sampling every step
+(``max_stats_interval=1``, AdaptDL's cadence and the cost of the first ~100 steps).
 Each of ``--reps`` repetitions runs a block of ``--steps`` steps of each (rotating order),
 timing every step; the ratio of a block's mean step time to the adjacent DDP block's is one
 paired sample and the median over repetitions is reported (robust to load that drifts, and to
-preemption spikes on a shared machine).
+preemption spikes on a shared machine). ``--steps`` must be a multiple of 32, so that every
+block holds the same number of sampled steps. (Interleaving the variants step by step instead
+was tried in session 4: no narrower spread, and the A/A control read 0.92-0.95, a bias from
+the models' alternating use of the caches.)
 
-    python benchmarks/bench_overhead.py [--reps 15] [--steps 20] [--out benchmarks/results/overhead.md]
+    python benchmarks/bench_overhead.py [--reps 15] [--steps 32] [--out benchmarks/results/overhead.md]
 """
 
 from __future__ import annotations
@@ -78,6 +82,10 @@ def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> 
     adp = AdaptiveDataParallel(m, opt_adp, name="adp-sampled")
     models["adp"] = (adp, opt_adp)
     m = _model(width)
+    opt_adp16 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    adp16 = AdaptiveDataParallel(m, opt_adp16, name="adp-16", max_stats_interval=16)
+    models["adp16"] = (adp16, opt_adp16)
+    m = _model(width)
     opt_adp1 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     adp1 = AdaptiveDataParallel(m, opt_adp1, name="adp-every-step", max_stats_interval=1)
     models["adp1"] = (adp1, opt_adp1)
@@ -94,10 +102,11 @@ def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> 
     for i in range(10):  # warm-up (DDP bucket rebuild, allocator)
         for model, opt in models.values():
             step(model, opt, batches[i % 16])
-    warm = 0  # the sampled ADP past its early every-step phase (same count on both ranks)
-    while adp.gns.sample_interval() < adp.gns._max_interval:
-        step(adp, opt_adp, batches[warm % 16])
-        warm += 1
+    warm = 0  # the sampled ADPs past their early every-step phase (same count on both ranks)
+    for sampled, sampled_opt in ((adp, opt_adp), (adp16, opt_adp16)):
+        while sampled.gns.sample_interval() < sampled.gns._max_interval:
+            step(sampled, sampled_opt, batches[warm % 16])
+            warm += 1
     names = list(models)
     n0 = adp.gns.num_updates
     wall = {k: [] for k in names}
@@ -123,7 +132,7 @@ def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> 
 def _paired(wall: dict, name: str, reps: int, n: int) -> list[float]:
     """Block r of ``name`` against block r of DDP (adjacent in time): ratio of mean steps.
 
-    The mean, not the median: with sampled statistics one step in up to 16 is slower, and the
+    The mean, not the median: with sampled statistics one step in up to 32 is slower, and the
     median step would hide it; a preemption spike inflates one block, which the median over
     repetitions then discards.
     """
@@ -136,37 +145,40 @@ def _paired(wall: dict, name: str, reps: int, n: int) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=21)
-    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=None, help="write a markdown report here")
     args = ap.parse_args(argv)
+    if args.steps % 32:
+        ap.error(f"--steps {args.steps} must be a multiple of 32 (the default sampling interval)")
     rows = []
     med = statistics.median
     n = args.steps
     for label, width, bsz in CONFIGS:
         wall, cpu, info = spawn(_worker, 2, args=(width, bsz, args.reps, n), timeout=900)[0]
-
-        adp, hook = _paired(wall, "adp", args.reps, n), _paired(wall, "pyhook", args.reps, n)
-        adp1 = _paired(wall, "adp1", args.reps, n)
-        again = _paired(wall, "ddp2", args.reps, n)
-        q = statistics.quantiles(adp, n=4)
-        # CPU: total process time of the blocks (per-step CPU clocks are too coarse)
-        row = (
-            label,
-            med(adp),
-            q[0],
-            q[2],
-            sum(cpu["adp"]) / sum(cpu["ddp"]),
-            med(adp1),
-            med(hook),
-            med(wall["ddp"]) * 1e3,
-            info,
-            med(again),
-        )
+        ratio = {
+            k: _paired(wall, k, args.reps, n) for k in ("adp", "adp16", "adp1", "pyhook", "ddp2")
+        }
+        q = statistics.quantiles(ratio["adp"], n=4)
+        row = {
+            "label": label,
+            "adp": med(ratio["adp"]),
+            "iqr": (q[0], q[2]),
+            # CPU: total process time of all steps (per-step CPU clocks are too coarse)
+            "cpu": sum(cpu["adp"]) / sum(cpu["ddp"]),
+            "adp16": med(ratio["adp16"]),
+            "cpu16": sum(cpu["adp16"]) / sum(cpu["ddp"]),
+            "adp1": med(ratio["adp1"]),
+            "pyhook": med(ratio["pyhook"]),
+            "ddp2": med(ratio["ddp2"]),
+            "ms": med(wall["ddp"]) * 1e3,
+            "info": info,
+        }
         rows.append(row)
         print(
-            f"{label}: ADP sampled/DDP paired median {row[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), "
-            f"CPU {row[4]:.3f}; ADP every step/DDP {row[5]:.3f}; torch Python hook/DDP "
-            f"{row[6]:.3f}; DDP again/DDP {row[9]:.3f}; DDP step {row[7]:.2f} ms; {info}",
+            f"{label}: ADP sampled/DDP paired median {row['adp']:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), "
+            f"CPU {row['cpu']:.3f}; interval 16 {row['adp16']:.3f} (CPU {row['cpu16']:.3f}); "
+            f"ADP every step/DDP {row['adp1']:.3f}; torch Python hook/DDP {row['pyhook']:.3f}; "
+            f"DDP again/DDP {row['ddp2']:.3f}; DDP step {row['ms']:.2f} ms; {info}",
             flush=True,
         )
     if args.out:
@@ -183,24 +195,27 @@ def main(argv: list[str] | None = None) -> int:
                 "2 gloo processes on 127.0.0.1, 1 thread each.\n\n"
             )
             f.write(
-                "| model, batch | ADP sampled / DDP step time (median of paired block means) | IQR | "
-                "ADP sampled / DDP CPU time | ADP every step / DDP | torch's Python "
-                "allreduce_hook / DDP | DDP again / DDP (noise floor) | DDP step (ms) | warm-up "
-                "steps, share of timed steps sampled |\n|---|---|---|---|---|---|---|---|---|\n"
+                "| model, batch | ADP (one step in 32 sampled) / DDP step time (median of "
+                "paired block means) | IQR | its CPU time / DDP's | ADP, one in 16 / DDP (CPU) | "
+                "ADP every step / DDP | torch's Python allreduce_hook / DDP | DDP again / DDP "
+                "(noise floor) | DDP step (ms) | warm-up steps, share of timed steps sampled |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n"
             )
-            for label, m_, lo, hi, cpu_, every, hook_, ms, info, again_ in rows:
+            for r in rows:
                 f.write(
-                    f"| {label} | **{m_:.3f}×** | {lo:.3f}–{hi:.3f} | {cpu_:.3f}× | "
-                    f"{every:.3f}× | {hook_:.3f}× | {again_:.3f}× | {ms:.2f} | {info['warm']}, "
-                    f"{info['sampled_share']:.3f} |\n"
+                    f"| {r['label']} | **{r['adp']:.3f}×** | {r['iqr'][0]:.3f}–{r['iqr'][1]:.3f} "
+                    f"| {r['cpu']:.3f}× | {r['adp16']:.3f}× ({r['cpu16']:.3f}×) | "
+                    f"{r['adp1']:.3f}× | {r['pyhook']:.3f}× | {r['ddp2']:.3f}× | {r['ms']:.2f} | "
+                    f"{r['info']['warm']}, {r['info']['sampled_share']:.3f} |\n"
                 )
             f.write(
                 f"\n{args.reps} repetitions; each runs a block of {args.steps} steps of plain "
-                "DDP, a second plain DDP (A/A control), DDP with torch's Python `allreduce_hook`, ADP (default sampling, after "
-                "the warm-up steps that take it past its every-step phase) and ADP sampling "
-                "every step (`max_stats_interval=1`), rotating order, SGD with momentum, scale "
-                "1; per-step wall time on rank 0; one paired sample = ratio of two adjacent "
-                "blocks' mean step times; CPU = total process time of all blocks.\n"
+                "DDP, a second plain DDP (A/A control), DDP with torch's Python `allreduce_hook`, "
+                "ADP (default sampling, after the warm-up steps that take it past its every-step "
+                "phase), the same with `max_stats_interval=16`, and ADP sampling every step "
+                "(`max_stats_interval=1`), rotating order, SGD with momentum, scale 1; per-step "
+                "wall time on rank 0; one paired sample = ratio of two adjacent blocks' mean "
+                "step times; CPU = total process time of all blocks.\n"
             )
     return 0
 

@@ -215,7 +215,8 @@ def test_sample_interval_keeps_enough_samples_in_the_memory():
     # memory 1 + 0.25·t steps, 16 samples in it: floor((1 + 0.25 t)/16)
     assert sample_interval(0.999, 500.0, 0.25, 1.0) == 7
     # capped at AdaptDL's memory (1000 steps) and at max_interval
-    assert sample_interval(0.999, 1e9, 0.25, 1.0) == 16
+    assert sample_interval(0.999, 1e9, 0.25, 1.0) == 32  # default cap
+    assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=16) == 16
     assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=64) == 62
     # at scale S a step covers S units: the memory holds S times fewer steps
     assert sample_interval(0.999, 1e9, 0.25, 8.0, max_interval=64) == 7

@@ -204,7 +204,7 @@ class GradientNoiseScale:
         accum_scale: float | None = None,
         smoothing: float = 0.999,
         window_fraction: float | None = 0.25,
-        max_interval: int = 16,
+        max_interval: int = 32,
         samples_per_window: float = 16.0,
     ) -> None:
         if num_replicas is None:
@@ -244,6 +244,7 @@ class GradientNoiseScale:
         self._prev_scale: float | None = None
         self._collector: _StepCollector | None = None
         self._pending: tuple | None = None  # last measured step, not folded yet
+        self._avg_cache: tuple | None = None  # (sqr state, var state, (sqr, var)) of averages()
 
     # ----- AdaptDL-compatible accessors -------------------------------------------------------
     @property
@@ -277,11 +278,21 @@ class GradientNoiseScale:
 
     def sqr_avg(self) -> float:
         """Estimate of ``|G|²``, the squared l2-norm of the true gradient (clipped at 0)."""
-        return max(float(_gns.ema_value(self._sqr)), 0.0)
+        return self.averages()[0]
 
     def var_avg(self) -> float:
         """Estimate of ``tr(Σ)/B0``, the gradient variance at the initial batch size (≥ 0)."""
-        return max(float(_gns.ema_value(self._var)), 0.0)
+        return self.averages()[1]
+
+    def averages(self) -> tuple[float, float]:
+        """``(sqr_avg(), var_avg())``, recomputed only after a sample (or a load) changed them."""
+        sqr, var = self._sqr, self._var  # EMAState tuples are replaced, never mutated
+        cached = self._avg_cache
+        if cached is not None and cached[0] is sqr and cached[1] is var:
+            return cached[2]
+        out = (max(float(_gns.ema_value(sqr)), 0.0), max(float(_gns.ema_value(var)), 0.0))
+        self._avg_cache = (sqr, var, out)
+        return out
 
     def gain(self, scale: float) -> float:
         """AdaScale gain ``(var + sqr)/(var/scale + sqr)`` at ``scale`` (1 before any estimate)."""

@@ -3,7 +3,7 @@
 Drop-in for ``adaptdl.torch.AdaptiveDataParallel``. On top of DDP it
 
 * samples the gradient noise scale (:class:`~adaptrain.torch.gradient_noise_scale.GradientNoiseScale`):
-  every step early in training, then one step in up to 16; the other steps run DDP's own C++
+  every step early in training, then one step in up to 32; the other steps run DDP's own C++
   all-reduce untouched (no communication hook), so a compression hook can still be registered;
 * scales every param group's ``lr`` by the scaling rule's factor around ``optimizer.step()`` via
   ``optimizer.register_step_pre_hook``/``register_step_post_hook`` (no monkey-patching), then
@@ -57,7 +57,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
             ``AdamScale`` for Adam/AdamW/RMSprop, ``AdaScale`` otherwise.
         name: unique checkpoint name of this instance.
         max_stats_interval: at most this many optimizer steps between two noise-scale samples
-            (default 16; 1 samples every step, as AdaptDL).
+            (default 32; 1 samples every step, as AdaptDL). The schedule keeps at least 16
+            samples within the average's memory whatever this cap is; the cap bounds how stale
+            the statistics get (at most this many steps behind a ~1000-step memory).
         **kwargs: passed to ``DistributedDataParallel``.
 
     Raises:
@@ -73,7 +75,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         mp_scaler: Any = None,
         scaling_rule: ScalingRuleBase | None = None,
         name: str = "adaptdl-dataparallel",
-        max_stats_interval: int = 16,
+        max_stats_interval: int = 32,
         **kwargs: Any,
     ) -> None:
         if not torch.distributed.is_initialized():
@@ -170,10 +172,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
 
     def _end_optimizer_step(self, scale: float, lr_factor: float) -> None:
         gns = self.gns
-        sqr, var = gns.sqr_avg(), gns.var_avg()
-        # the gain on the values just read (one read per step); at scale 1 it is exactly 1.0
-        # ((v + s)/(v/1 + s) with identical operands)
-        gain = _gns.gain(sqr, var, float(scale))
+        sqr, var = gns.averages()  # cached between samples
+        # at scale 1 the gain is exactly 1.0 ((v + s)/(v/1 + s) with identical operands)
+        gain = 1.0 if scale == 1.0 else _gns.gain(sqr, var, float(scale))
         progress = gns.get_progress() + gain
         gns.set_progress(progress)
         state = self._state
