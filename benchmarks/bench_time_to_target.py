@@ -11,7 +11,9 @@ For each task, 2 gloo replicas train until a validation target is reached; the f
   accumulation allowed), the scaling rule AdaptiveDataParallel picks (AdamScale for Adam,
   AdaScale for SGD, as AdaptDL 0.2.11); ``adaptrain-adascale`` (Adam tasks): the same with
   ``scaling_rule=AdaScale()``, the learning rate multiplied by the gain itself, not its square
-  root (closest to the sweep's linear rule).
+  root; ``adaptrain-linear``: the same with ``scaling_rule=LinearScale()``, the learning rate
+  multiplied by ``B / B0`` as in the sweep, so the only difference from the sweep is the
+  batch-size schedule.
 * ``adaptdl``: AdaptDL 0.2.11's ``autoscale_batch_size`` on the same task, when it installs
   (``_adaptdl_ref.py``).
 
@@ -188,6 +190,8 @@ def _run(
         kwargs = {}
         if variant == "adaptrain-adascale":  # AdaScale's gain on the lr for any optimizer
             kwargs["scaling_rule"] = lib.scaling_rules.AdaScale()
+        elif variant == "adaptrain-linear":  # the sweep's rule: lr0 * B / B0
+            kwargs["scaling_rule"] = lib.scaling_rules.LinearScale()
         model = lib.AdaptiveDataParallel(model, opt, **kwargs)
         loader = lib.AdaptiveDataLoader(train, batch_size=B0, shuffle=True)
         loader.autoscale_batch_size(
@@ -313,7 +317,7 @@ def main() -> None:
     )
     for task in args.tasks:
         target = args.charlm_target if task == "charlm" else args.digits_target
-        variants = [f"fixed-{b}" for b in TASKS[task]["sweep"]] + ["adaptrain"]
+        variants = [f"fixed-{b}" for b in TASKS[task]["sweep"]] + ["adaptrain", "adaptrain-linear"]
         if TASKS[task]["optimizer"] == "adam":
             variants.append("adaptrain-adascale")
         if with_adaptdl:
