@@ -78,6 +78,12 @@ def test_throughput_interpolation(tiny_app_writer, tmp_path):
     assert app.min_local_bsz == 4 and app.max_local_bsz == 16
     with pytest.raises(ValueError, match="outside"):
         app.get_throughput((1,), 32)
+    m = app.measurements()  # placements rows, then the tiny scalability.csv rows
+    assert m["num_nodes"].tolist()[:4] == [1, 1, 2, 2]
+    assert m["num_replicas"].tolist()[:4] == [1, 1, 3, 3]
+    assert m["step_time"].tolist()[:4] == [1.0, 4.0, 2.0, 5.0]
+    assert m["sync_time"].tolist()[:4] == [0.1, 0.4, 1.0, 1.0]
+    assert len(m["local_bsz"]) == 4 + 8 and m["num_replicas"][-1] == 64
 
 
 def test_grad_stats_and_progress(tiny_app_writer, tmp_path):

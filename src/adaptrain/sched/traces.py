@@ -211,6 +211,18 @@ class Application:
             self._nd_interp = LinearNDInterpolator(np.array(xs), np.array(ys))
         return self._nd_interp
 
+    def measurements(self) -> dict[str, np.ndarray]:
+        """Every throughput measurement of ``placements.csv`` and ``scalability.csv`` as arrays
+        ``num_nodes``, ``num_replicas``, ``local_bsz``, ``step_time``, ``sync_time`` (copies)."""
+        sc = self._scal
+        return {
+            "num_nodes": np.concatenate([self._pl_nodes, sc["num_nodes"]]).astype(np.int64),
+            "num_replicas": np.concatenate([self._pl_reps, sc["num_replicas"]]).astype(np.int64),
+            "local_bsz": np.concatenate([self._pl_bsz, sc["local_bsz"]]),
+            "step_time": np.concatenate([self._pl_step, sc["step_time"]]),
+            "sync_time": np.concatenate([self._pl_sync, sc["sync_time"]]),
+        }
+
     def __repr__(self) -> str:
         return f"Application({self.name!r}, bsz {self.init_batch_size}..{self.max_batch_size})"
 

@@ -1,0 +1,123 @@
+"""Diagnostic: how much of our policy's gap to the target comes from learned goodput models?
+
+    python benchmarks/diag_sched_models.py --workloads 3 [--modes learned full full-nocap]
+
+Replays a workload (load 1.0) under our default policy with three views of each job:
+
+* ``learned``: what every policy sees in the simulator (and in a real cluster): the throughput
+  model each job fits online to the configurations it has run on, and ``max_replicas`` capped at
+  twice the largest replica count it has run on (the artifact's exploration rule);
+* ``full``: the throughput model fitted once to *all* of the application's measurements
+  (``placements.csv`` + ``scalability.csv``), the cap kept: a perfect-knowledge model;
+* ``full-nocap``: the same model without the cap (a job may jump to any size at once).
+
+Gradient statistics (the statistical efficiency) are the job's current ones in all three.
+``full`` and ``full-nocap`` use knowledge no policy has, so they are bounds for what better
+models or faster exploration could bring, not results. Prints avg JCT / the stored Pollux
+figure and the same ratio per application.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "src"))
+
+from adaptrain.core.goodput import GoodputFunction, fit_perf_params  # noqa: E402
+from adaptrain.sched import WaterfillPolicy  # noqa: E402
+from adaptrain.sched.simulator import Simulator  # noqa: E402
+from adaptrain.sched.speedup import SpeedupFunction  # noqa: E402
+from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
+
+
+class FullModelSimulator(Simulator):
+    """Policies see each application's model fitted to all its measurements."""
+
+    def __init__(self, *args, full_params: dict, cap: bool, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.full_params = full_params
+        self.cap = cap
+
+    def job_info(self, job):
+        info = super().job_info(job)
+        app = job.app
+        if job.perf_params is None or app.name == "ncf":  # ncf runs at one GPU anyway
+            return info
+        fn = SpeedupFunction(
+            GoodputFunction(self.full_params[app.name], job.grad_params, app.init_batch_size),
+            max_batch_size=app.max_batch_size,
+            atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
+            accumulation=True,
+        )
+        info.speedup_fn = fn
+        left = max(app.get_progress(app.max_epochs) - job.progress, 0.0)
+        info.remaining_work = left / (fn.base_goodput / app.init_batch_size)
+        if not self.cap:
+            info.max_replicas = min(
+                self.num_nodes * self.gpus_per_node, app.max_batch_size // app.min_local_bsz
+            )
+        return info
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", nargs="+", default=["3"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["learned", "full", "full-nocap"],
+        choices=["learned", "full", "full-nocap"],
+    )
+    parser.add_argument("--traces", default=default_traces_dir())
+    args = parser.parse_args()
+    if not args.traces:
+        parser.error("no traces found; pass --traces DIR")
+    data_dir = os.path.dirname(os.path.normpath(args.traces))
+    apps = load_applications(args.traces)
+    full = {}
+    for name, app in apps.items():
+        m = app.measurements()
+        full[name] = fit_perf_params(
+            m["num_nodes"],
+            m["num_replicas"],
+            m["local_bsz"],
+            m["step_time"] - m["sync_time"],
+            m["step_time"],
+        )
+    with open(os.path.join(data_dir, "results-jobload", "pollux-1.0", "summary.json")) as f:
+        stored = json.load(f)["jcts"]
+    for wl in args.workloads:
+        workload = load_workload(os.path.join(data_dir, "workloads", f"workload-{wl}.csv"))
+        ref = stored[f"workload-{wl}"]
+        for mode in args.modes:
+            t0 = time.time()
+            if mode == "learned":
+                sim = Simulator(workload, apps, WaterfillPolicy())
+            else:
+                sim = FullModelSimulator(
+                    workload, apps, WaterfillPolicy(), full_params=full, cap=mode == "full"
+                )
+            res = sim.run()
+            ratio = sum(res.jcts.values()) / sum(ref[k] for k in res.jcts)
+            by = collections.defaultdict(lambda: [0.0, 0.0])
+            for k, v in res.jcts.items():
+                by[k.rsplit("-", 1)[0]][0] += v
+                by[k.rsplit("-", 1)[0]][1] += ref[k]
+            per_app = ", ".join(f"{a} {o / p:.3f}" for a, (o, p) in sorted(by.items()))
+            print(
+                f"workload-{wl} {mode:10s} avg JCT {res.avg_jct:7.1f} s  / stored Pollux "
+                f"{ratio:.3f}  restarts {sum(res.restarts.values())}  ({per_app})  "
+                f"[{time.time() - t0:.0f} s]",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
