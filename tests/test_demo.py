@@ -144,7 +144,15 @@ def test_demo_ctrl_c_checkpoints_and_resumes(tmp_path):
     out = tmp_path / "demo"
     log = tmp_path / "first.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(_demo_cmd(out, 0.3), env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _demo_cmd(out, 0.3),
+            env=_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            # as in a terminal: a test run started as a background job (`cmd &` without job
+            # control) inherits SIGINT ignored, and Python then installs no Ctrl-C handler
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         deadline = time.monotonic() + 150
         while "step " not in log.read_text():  # training has started
