@@ -131,3 +131,16 @@ def test_growing_window_forgets_the_early_transient():
     truth = est.var / est.sqr
     assert ratio[0.25] == pytest.approx(truth, rel=0.05)
     assert ratio[None] < 0.2 * truth
+
+
+def test_sample_interval_cache_follows_scale_and_loaded_history():
+    from adaptrain.core.gns import sample_interval
+
+    g = GradientNoiseScale(num_replicas=2)
+    state = g.state_dict()
+    g.load_state_dict({**state, "history": 1e6})
+    assert g.sample_interval(1.0) == 32  # at the cap: remembered for scale 1
+    assert g.sample_interval(1.0) == 32
+    assert g.sample_interval(8.0) == sample_interval(0.999, 1e6, 0.25, 8.0) == 7  # not cached
+    g.load_state_dict({**state, "history": 100.0})  # a shorter history: recomputed
+    assert g.sample_interval(1.0) == sample_interval(0.999, 100.0, 0.25, 1.0) == 1

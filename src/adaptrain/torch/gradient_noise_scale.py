@@ -237,6 +237,7 @@ class GradientNoiseScale:
         self._skipped = 0.0  # span of samples skipped since the last folded one
         self._steps_since = 0  # optimizer steps since the last measured step
         self._last_scale = 1.0  # scale of the last optimizer step
+        self._capped_scale: float | None = None  # a scale whose interval reached max_interval
         self._sqr = _gns.ema_init(0.0)
         self._var = _gns.ema_init(0.0)
         self._progress = 0.0
@@ -312,14 +313,23 @@ class GradientNoiseScale:
     # ----- sampling schedule -------------------------------------------------------------------
     def sample_interval(self, scale: float | None = None) -> int:
         """Optimizer steps between two samples at ``scale`` (default: the last step's)."""
-        return _gns.sample_interval(
+        if scale is None:
+            scale = self._last_scale
+        if scale == self._capped_scale:
+            # At a given scale the interval only grows with the history (a longer memory), so
+            # once it reached the cap it stays there; skips the arithmetic on most steps.
+            return self._max_interval
+        k = _gns.sample_interval(
             self._smoothing,
             self._history,
             self._window_fraction,
-            self._last_scale if scale is None else scale,
+            scale,
             self._samples_per_window,
             self._max_interval,
         )
+        if k >= self._max_interval:
+            self._capped_scale = scale
+        return k
 
     # ----- collection --------------------------------------------------------------------------
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -353,7 +363,8 @@ class GradientNoiseScale:
         c = self._collector
         if c is None:
             return
-        self._remove_hooks()  # left by a forward pass whose backward never ran
+        if c.handles or c.stats or c.snapshot or c.queued or c.accum > 1:
+            self._remove_hooks()  # the last step's state, or hooks whose backward never ran
         c.accum = max(int(accum_steps), 1)
         c.scale = scale
         if enabled:
@@ -621,3 +632,4 @@ class GradientNoiseScale:
         self._skipped = float(state.get("skipped", 0.0))
         self._steps_since = int(state.get("steps_since", 0))
         self._last_scale = float(state.get("last_scale", 1.0))
+        self._capped_scale = None  # the history may be shorter now
