@@ -87,10 +87,7 @@ class ScalingRuleBase:
         adp = self.adp
         if adp is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
-        if self._saved_lr is not None:  # the last step raised before its post hook: undo it
-            for lr, pg in zip(self._saved_lr, optimizer.param_groups):
-                pg["lr"] = lr
-            self._saved_lr = None
+        self._restore_lr(optimizer)  # only if the last step raised before its post hook
         self._in_step = False
         if not adp._begin_optimizer_step():
             return  # an accumulation micro-batch: the optimizer sees no gradient
@@ -107,19 +104,23 @@ class ScalingRuleBase:
         else:  # one factor per param group
             factors = np.broadcast_to(np.asarray(factor, dtype=np.float64), (len(groups),))
             self.last_factor = float(np.mean(factors))
-        self._saved_lr = [pg["lr"] for pg in optimizer.param_groups]
-        for f, pg in zip(factors, optimizer.param_groups):
+        self._saved_lr = [pg["lr"] for pg in groups]
+        for f, pg in zip(factors, groups):
             pg["lr"] = pg["lr"] * float(f)
 
     def _post_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._in_step:
             return
         self._in_step = False
+        self._restore_lr(optimizer)
+        self.adp._end_optimizer_step(self._step_scale, self.last_factor)
+
+    def _restore_lr(self, optimizer: Any) -> None:
+        """Put back the unscaled ``lr`` values saved by the pre-step hook, if any."""
         if self._saved_lr is not None:
             for lr, pg in zip(self._saved_lr, optimizer.param_groups):
                 pg["lr"] = lr
             self._saved_lr = None
-        self.adp._end_optimizer_step(self._step_scale, self.last_factor)
 
     # ----- AdaptDL's explicit API --------------------------------------------------------------
     def step(self, *args: Any, **kwargs: Any) -> Any:
