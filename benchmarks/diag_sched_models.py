@@ -56,8 +56,7 @@ class FullModelSimulator(Simulator):
             accumulation=True,
         )
         info.speedup_fn = fn
-        left = max(app.get_progress(app.max_epochs) - job.progress, 0.0)
-        info.remaining_work = left / (fn.base_goodput / app.init_batch_size)
+        info.remaining_work = job.remaining_work(fn)
         if not self.cap:
             info.max_replicas = min(
                 self.num_nodes * self.gpus_per_node, app.max_batch_size // app.min_local_bsz

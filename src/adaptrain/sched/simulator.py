@@ -213,13 +213,15 @@ class SimJob:
             self.placement = ()
             self.atomic_bsz = 0
 
-    def remaining_work(self) -> float | None:
+    def remaining_work(self, speedup: SpeedupFunction | None = None) -> float | None:
         """Estimated seconds left on one GPU: remaining statistical progress (known from the
-        remaining epochs) over the goodput the job's own model predicts on one GPU."""
+        remaining epochs) over the goodput the job's own model (or ``speedup``'s) predicts on
+        one GPU."""
         if self.perf_params is None:
             return None
         left = self.app.get_progress(self.app.max_epochs) - self.progress
-        rate = self.speedup_fn().base_goodput / self.app.init_batch_size
+        fn = self.speedup_fn() if speedup is None else speedup
+        rate = fn.base_goodput / self.app.init_batch_size
         return max(left, 0.0) / rate if rate > 0 else None
 
     def remaining_steps(self) -> float:
