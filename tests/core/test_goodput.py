@@ -435,11 +435,11 @@ def test_objective_gradient_matches_finite_differences():
     inter = nodes > 1
     intra = ~inter & (replicas > 1)
     m = np.maximum(replicas - 2, 1e-8)
-    args = (bsz.astype(float), m, inter, intra, np.log(t_accum), np.log(t_optim))
+    data = G._FitProblem(bsz.astype(float), m, inter, intra, np.log(t_accum), np.log(t_optim))
     for _ in range(5):
         theta = np.concatenate([RNG.uniform(0.01, 1.0, 6), RNG.uniform(1.0, 5.0, 1)])
-        _, grad = G._objective(theta, *args)
-        numeric = scipy.optimize.approx_fprime(theta, lambda t: G._objective(t, *args)[0], 1e-7)
+        _, grad = G._objective(theta, data)
+        numeric = scipy.optimize.approx_fprime(theta, lambda t: G._objective(t, data)[0], 1e-7)
         np.testing.assert_allclose(grad, numeric, rtol=1e-3, atol=1e-5)
 
 
@@ -473,9 +473,9 @@ def test_fit_objective_no_worse_than_truth(alphas, beta_c, ratios, gamma):
     inter = nodes > 1
     intra = ~inter & (replicas > 1)
     args = (bsz.astype(float), np.maximum(replicas - 2, 1e-8), inter, intra)
-    args += (np.log(t_accum), np.log(t_optim))
-    f_true = G._objective(np.array(true), *args)[0]
-    f_fit = G._objective(np.array(fit), *args)[0]
+    data = G._FitProblem(*args, np.log(t_accum), np.log(t_optim))
+    f_true = G._objective(np.array(true), data)[0]
+    f_fit = G._objective(np.array(fit), data)[0]
     assert f_fit <= f_true * 1.05 + 1e-4  # single-start AdaptDL is often 2-10x worse
 
 

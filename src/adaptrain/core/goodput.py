@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -323,15 +324,38 @@ class GoodputFunction:
 # Fitting
 
 
+class _FitProblem:
+    """The observations of a fit, with the arrays the objective reuses at every evaluation."""
+
+    __slots__ = ("n", "bsz", "m", "kind", "multi", "design_a", "design_n", "log_accum", "log_optim")
+
+    def __init__(
+        self,
+        atomic_bsz: np.ndarray,
+        m: np.ndarray,
+        inter: np.ndarray,
+        intra: np.ndarray,
+        log_accum: np.ndarray,
+        log_optim: np.ndarray,
+    ) -> None:
+        inter = np.asarray(inter, dtype=bool)
+        intra = np.asarray(intra, dtype=bool) & ~inter
+        self.n = int(atomic_bsz.size)
+        self.bsz = np.asarray(atomic_bsz, dtype=np.float64)
+        self.m = np.asarray(m, dtype=np.float64)
+        # index into (no link, intra-node, inter-node) coefficients
+        self.kind = np.where(inter, 2, np.where(intra, 1, 0))
+        self.multi = inter | intra
+        # d(pred)/d(alpha_c, beta_c) and d(pred_n)/d(alpha_n, beta_n, alpha_r, beta_r)
+        self.design_a = np.stack([np.ones(self.n), self.bsz], axis=1)
+        fi, fr = inter.astype(np.float64), intra.astype(np.float64)
+        self.design_n = np.stack([fi, fi * self.m, fr, fr * self.m], axis=1)
+        self.log_accum = np.asarray(log_accum, dtype=np.float64)
+        self.log_optim = np.asarray(log_optim, dtype=np.float64)
+
+
 def _objective(
-    theta: np.ndarray,
-    atomic_bsz: np.ndarray,
-    m: np.ndarray,
-    inter: np.ndarray,
-    intra: np.ndarray,
-    log_accum: np.ndarray,
-    log_optim: np.ndarray,
-    smooth: bool = False,
+    theta: np.ndarray, data: _FitProblem, smooth: bool = False
 ) -> tuple[float, np.ndarray]:
     """AdaptDL's fit objective and its analytic gradient with respect to the 7 parameters.
 
@@ -339,48 +363,36 @@ def _objective(
     + 1e-3 (γ − 1)² + 1e-2 ((β_n/α_n)² + (β_r/α_r)²)``. With ``smooth`` each RMSE becomes
     ``sqrt(MSE + δ²)``, a smooth surrogate used to approach the minimum.
     """
-    ac, bc, an, bn, ar, br, g = theta
-    n = atomic_bsz.size
-    single = ~(inter | intra)
-    pred_a = ac + bc * atomic_bsz
-    pred_n = (
-        np.where(inter, an, np.where(intra, ar, _TINY))
-        + np.where(inter, bn, np.where(intra, br, _TINY)) * m
-    )
+    ac, bc, an, bn, ar, br, g = theta.tolist()
+    n = data.n
+    pred_a = ac + bc * data.bsz
+    pred_n = np.array((_TINY, ar, an))[data.kind] + np.array((_TINY, br, bn))[data.kind] * data.m
     log_a = np.log(pred_a)
     log_n = np.log(pred_n)
-    lse = np.logaddexp(g * log_a, g * log_n)
+    ga, gn = g * log_a, g * log_n
+    lse = np.logaddexp(ga, gn)
     pred_lo = lse / g
-    w_a = np.exp(g * log_a - lse)
-    w_n = np.exp(g * log_n - lse)
+    w_a = np.exp(ga - lse)
+    w_n = np.exp(gn - lse)
 
-    e1 = log_a - log_accum
-    e2 = pred_lo - log_optim
+    e1 = log_a - data.log_accum
+    e2 = pred_lo - data.log_optim
     reg1 = 1e-3 * (g - 1.0) ** 2
     reg2 = 1e-2 * ((bn / an) ** 2 + (br / ar) ** 2)
     # With ``smooth`` the RMSE is sqrt(mean² + δ²): no kink at zero error, same scale.
     delta2 = _SMOOTH_DELTA**2 if smooth else 0.0
-    err1 = float(np.sqrt(np.mean(e1**2) + delta2))
-    err2 = float(np.sqrt(np.mean(e2**2) + delta2))
+    err1 = math.sqrt(float(e1 @ e1) / n + delta2)
+    err2 = math.sqrt(float(e2 @ e2) / n + delta2)
     f = err1 + err2 + reg1 + reg2
-    c1 = e1 / (n * err1) if err1 > 0 else np.zeros_like(e1)
-    c2 = e2 / (n * err2) if err2 > 0 else np.zeros_like(e2)
-    # d/dA of (err1 + err2) per sample, and d/dN of err2 per sample.
+    c1 = e1 * (1.0 / (n * err1)) if err1 > 0 else np.zeros_like(e1)
+    c2 = e2 * (1.0 / (n * err2)) if err2 > 0 else np.zeros_like(e2)
+    # d/dA of (err1 + err2) per sample, and d/dN of err2 per sample (0 without a link).
     d_a = (c1 + c2 * w_a) / pred_a
-    d_n = c2 * w_n / pred_n
-    d_n = np.where(single, 0.0, d_n)
-    grad = np.array(
-        [
-            np.sum(d_a),
-            np.sum(d_a * atomic_bsz),
-            np.sum(d_n * inter),
-            np.sum(d_n * inter * m),
-            np.sum(d_n * intra),
-            np.sum(d_n * intra * m),
-            np.sum(c2 * (w_a * log_a + w_n * log_n - pred_lo) / g),
-        ]
-    )
-    grad[6] += 2e-3 * (g - 1.0)
+    d_n = np.where(data.multi, c2 * w_n / pred_n, 0.0)
+    grad = np.empty(7)
+    grad[0:2] = d_a @ data.design_a
+    grad[2:6] = d_n @ data.design_n
+    grad[6] = float(c2 @ (w_a * log_a + w_n * log_n - pred_lo)) / g + 2e-3 * (g - 1.0)
     grad[2] += -2e-2 * bn**2 / an**3
     grad[3] += 2e-2 * bn / an**2
     grad[4] += -2e-2 * br**2 / ar**3
@@ -477,7 +489,7 @@ def fit_perf_params(
     inter = nodes > 1
     intra = ~inter & (replicas > 1)
     m = np.maximum(replicas - 2, _TINY)
-    args = (bsz, m, inter, intra, np.log(t_accum), np.log(t_optim))
+    problem = _FitProblem(bsz, m, inter, intra, np.log(t_accum), np.log(t_optim))
     free = ~fixed
     # Optimise log(alpha), log(beta) (scale-free, far better conditioned than the raw values)
     # and gamma as is. The upper bound on the logs only keeps exp() finite: no step-time
@@ -488,19 +500,23 @@ def fit_perf_params(
     z_upper = np.where(is_log, np.maximum(log_cap, np.log(np.maximum(init, 1e-300))), upper)
     z_init = np.where(is_log, np.log(init), init)
 
+    free_idx = np.flatnonzero(free)
+
     def to_theta(z: np.ndarray) -> np.ndarray:
         theta = z_init.copy()
-        theta[free] = z
-        return np.where(is_log, np.exp(theta), theta)
+        theta[free_idx] = z
+        theta[:6] = np.exp(theta[:6])  # the first 6 (alphas, betas) are logarithms
+        return theta
 
     def fun(z: np.ndarray, smooth: bool = False) -> tuple[float, np.ndarray]:
         theta = to_theta(z)
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-            f, g = _objective(theta, *args, smooth=smooth)
-        g = np.where(is_log, g * theta, g)  # chain rule through exp
-        if not np.isfinite(f) or not np.all(np.isfinite(g)):
-            return float("inf"), np.zeros(int(free.sum()))
-        return f, g[free]
+            f, g = _objective(theta, problem, smooth=smooth)
+        g[:6] *= theta[:6]  # chain rule through exp
+        g = g[free_idx]
+        if not math.isfinite(f) or not np.isfinite(g).all():
+            return float("inf"), np.zeros(free_idx.size)
+        return f, g
 
     bounds = list(zip(z_lower[free], z_upper[free]))
     starts = [init.copy()]  # AdaptDL's start
