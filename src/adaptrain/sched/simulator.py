@@ -138,13 +138,15 @@ class SimJob:
 
         self.profile[num_nodes, num_replicas, local_bsz] = (step_time, sync_time)
         # The fit is a pure function of the profile; jobs of one model often share profiles.
+        # Observations go in sorted order, so that the fit (its floating-point sums) does not
+        # depend on the order a job met its configurations, nor on which job filled the cache.
         cache_key = tuple(sorted(self.profile.items()))
         cached = _FIT_CACHE.get(cache_key)
         if cached is not None:
             self.perf_params = cached
             return
-        keys = list(self.profile)
-        vals = list(self.profile.values())
+        keys = [k for k, _ in cache_key]
+        vals = [v for _, v in cache_key]
         step = np.array([v[0] for v in vals])
         sync = np.array([v[1] for v in vals])
         self.perf_params = fit_perf_params(
