@@ -299,3 +299,17 @@ def test_several_genetic_runs_state_roundtrip():
     assert other.optimize(jobs, nodes, first, 60.0) == second
     with pytest.raises(ValueError, match="genetic_runs"):
         WaterfillPolicy(genetic_runs=3).load_state_dict(state)
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_placement_never_shrinks_a_job_below_its_minimum(search):
+    """Found by hypothesis: a job with min_replicas 2 chosen at 2 but fitting only 1 GPU once
+    the others were placed was placed at 1. It must get its minimum or nothing."""
+    nodes = _cluster(4, 2)
+    bounds = {"j0": (0, 2), "j1": (0, 1), "j2": (2, 2), "j3": (0, 3)}
+    jobs = {
+        k: JobInfo(float(i), min_replicas=lo, max_replicas=hi, speedup_fn=LinearSpeedup())
+        for i, (k, (lo, hi)) in enumerate(bounds.items())
+    }
+    alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, {"j1": [0]}, 0.0)
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)

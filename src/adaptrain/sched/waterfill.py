@@ -190,7 +190,8 @@ class WaterfillPolicy:
         for k in keys:  # honour minimum replicas: below it a job gets nothing
             if target[k] < jobs[k].min_replicas:
                 target[k] = 0
-        placed = self._place(keys, target, nodes, base_allocations)
+        need_min = {k: max(1, jobs[k].min_replicas) for k in keys}
+        placed = self._place(keys, target, nodes, base_allocations, need_min)
         if not self._runs:
             return placed
         # independent searches (own seeds and warm-start populations): keep the fittest answer;
@@ -274,7 +275,9 @@ class WaterfillPolicy:
             target[k_up] += d
         return target
 
-    def _place(self, keys, target, nodes, base_allocations) -> Allocation:
+    def _place(self, keys, target, nodes, base_allocations, need_min) -> Allocation:
+        """Nodes for the chosen sizes; a job that does not fit gets the largest size that
+        does, but never less than its minimum (then nothing)."""
         g = self.gpus_per_node
         cap = {n: int(info.gpus) for n, info in nodes.items()}
         free = dict(cap)
@@ -296,13 +299,13 @@ class WaterfillPolicy:
         pending = [k for k in keys if target[k] > 0 and k not in out]
         pending.sort(key=lambda k: -target[k])
         for k in pending:
-            r = target[k]
-            while r > 0:
+            r, alloc = target[k], None
+            while r >= need_min[k]:
                 alloc = self._fit(r, free, multi_owner, g)
                 if alloc is not None:
                     break
                 r -= 1
-            if r == 0 or alloc is None:
+            if alloc is None:
                 continue
             counts = {n: alloc.count(n) for n in set(alloc)}
             for n, c in counts.items():
