@@ -61,6 +61,9 @@ def cluster_and_jobs(draw):
             age=draw(st.floats(0, 1e4)),
             step_time_fn=_step_time(draw(st.floats(0.1, 2.0))),
             remaining_steps=draw(st.floats(1, 1e4)),
+            # a known remaining work and a smaller tried size switch waterfill's exploration on
+            remaining_work=draw(st.none() | st.floats(0, 1e6)),
+            max_profiled_replicas=draw(st.integers(0, max_r)),
         )
     # a random (valid) current allocation: fill nodes in order
     base = {}

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
+from adaptrain.sched import (
+    ExploringSpeedup,
+    JobInfo,
+    LinearSpeedup,
+    NodeInfo,
+    WaterfillPolicy,
+    check_allocations,
+)
 
 
 def _concave(a: float):
@@ -299,6 +306,71 @@ def test_several_genetic_runs_state_roundtrip():
     assert other.optimize(jobs, nodes, first, 60.0) == second
     with pytest.raises(ValueError, match="genetic_runs"):
         WaterfillPolicy(genetic_runs=3).load_state_dict(state)
+
+
+def _dip(n, r):
+    """Linear up to one node (4 GPUs), a dip across the node boundary up to 8, then linear."""
+    r = np.asarray(r, dtype=float)
+    return np.where(r <= 4, r, np.where(r <= 8, 4.0 - 0.05 * (r - 4), 3.8 + (r - 8)))
+
+
+def test_exploring_speedup_is_the_model_up_to_the_tried_size_and_optimistic_beyond():
+    fn = ExploringSpeedup(_dip, max_profiled_replicas=4, beta=0.5)
+    r = np.arange(1, 13)
+    n = np.ceil(r / 4)
+    got = fn(n, r)
+    np.testing.assert_array_equal(got[:4], _dip(n, r)[:4])
+    want = np.maximum(_dip(n, r), 4.0 * (r / 4.0) ** 0.5)
+    np.testing.assert_allclose(got[4:], want[4:])
+    assert got[7] == pytest.approx(4.0 * 2**0.5)  # r = 8: the bound, above the dip
+    assert got[11] == pytest.approx(_dip(3, 12))  # r = 12: the model, above the bound
+    assert isinstance(fn(2, 8), float) and fn(2, 8) == pytest.approx(got[7])
+    with pytest.raises(ValueError, match="max_profiled_replicas"):
+        ExploringSpeedup(_dip, 0)
+    with pytest.raises(ValueError, match="beta"):
+        ExploringSpeedup(_dip, 4, beta=1.5)
+
+
+def _dip_job(remaining_work: float | None) -> dict[str, JobInfo]:
+    return {
+        "a": JobInfo(
+            0.0,
+            max_replicas=8,  # the exploration cap: twice the largest size tried
+            max_profiled_replicas=4,
+            speedup_fn=_dip,
+            remaining_work=remaining_work,
+            age=36000.0,
+            num_restarts=1,
+        )
+    }
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_long_job_explores_across_the_node_boundary_short_job_does_not(search):
+    """A job held below a dip of its learned curve (lower from 5 to 8 GPUs) with free GPUs
+    around: a long job is grown to measure the larger size; a short job, or any job with
+    exploration off, keeps its node."""
+    nodes = _cluster(4, 4)
+    base = {"a": [0, 0, 0, 0]}
+    long_job = _dip_job(remaining_work=10 * 3600.0 * 4)  # 10 h left at 4 GPUs
+    grown = WaterfillPolicy(search=search).optimize(long_job, nodes, base, 0.0)
+    assert len(grown["a"]) == 8
+    check_allocations(grown, long_job, nodes, interference=True)
+    kept = WaterfillPolicy(search=search, explore_beta=None).optimize(long_job, nodes, base, 0.0)
+    assert len(kept["a"]) == 4
+    short_job = _dip_job(remaining_work=0.5 * 3600.0 * 4)  # 30 min left: not worth a restart
+    assert len(WaterfillPolicy(search=search).optimize(short_job, nodes, base, 0.0)["a"]) == 4
+    unknown = _dip_job(remaining_work=None)
+    assert len(WaterfillPolicy(search=search).optimize(unknown, nodes, base, 0.0)["a"]) == 4
+
+
+def test_exploration_arguments_are_validated():
+    with pytest.raises(ValueError, match="explore_beta"):
+        WaterfillPolicy(explore_beta=-0.1)
+    with pytest.raises(ValueError, match="explore_horizon"):
+        WaterfillPolicy(explore_horizon=-1.0)
+    with pytest.raises(ValueError, match="max_profiled_replicas"):
+        JobInfo(0.0, max_replicas=4, max_profiled_replicas=-1)
 
 
 @pytest.mark.parametrize("search", ["local", "genetic"])

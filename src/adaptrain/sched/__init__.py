@@ -4,7 +4,7 @@ from .optimus import OptimusPolicy
 from .policy_base import Allocation, JobInfo, NodeInfo, Policy, check_allocations
 from .pollux import PolluxPolicy
 from .simulator import SimJob, SimResult, Simulator
-from .speedup import LinearSpeedup, SpeedupFunction
+from .speedup import ExploringSpeedup, LinearSpeedup, SpeedupFunction
 from .tiresias import TiresiasPolicy
 from .traces import Application, WorkloadJob, load_applications, load_workload
 from .waterfill import WaterfillPolicy
@@ -12,6 +12,7 @@ from .waterfill import WaterfillPolicy
 __all__ = [
     "Allocation",
     "Application",
+    "ExploringSpeedup",
     "JobInfo",
     "LinearSpeedup",
     "NodeInfo",

@@ -34,6 +34,8 @@ class JobInfo:
     fixed batch size and ``remaining_steps`` how many steps it still needs.
     ``remaining_work`` is the job's own estimate of the seconds it still needs on one GPU
     (remaining epochs x examples, over its modelled one-GPU goodput), ``None`` if unknown.
+    ``max_profiled_replicas`` is the largest replica count the job has run on (0 if unknown):
+    its speedup beyond that size is an extrapolation of its goodput model.
     """
 
     creation_timestamp: float
@@ -47,6 +49,7 @@ class JobInfo:
     step_time_fn: Callable[[int], float] | None = None
     remaining_steps: float = 1.0
     remaining_work: float | None = None
+    max_profiled_replicas: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,6 +58,10 @@ class JobInfo:
         if not 0 <= self.min_replicas <= self.max_replicas:
             raise ValueError(
                 f"min_replicas={self.min_replicas} must lie in [0, max_replicas={self.max_replicas}]"
+            )
+        if self.max_profiled_replicas < 0:
+            raise ValueError(
+                f"max_profiled_replicas={self.max_profiled_replicas} must be >= 0 (0: unknown)"
             )
 
 

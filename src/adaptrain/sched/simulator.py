@@ -374,6 +374,7 @@ class Simulator:
             max_replicas=max_replicas,
             speedup_fn=job.speedup_fn(),
             remaining_work=job.remaining_work(),
+            max_profiled_replicas=job.max_profiled_replicas,
             num_restarts=job.num_restarts or 0,
             age=self.current_time - job.submission_time,
             extra={"application": job.app.name, "epoch": job.epoch},

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LinearSpeedup", "SpeedupFunction"]
+__all__ = ["ExploringSpeedup", "LinearSpeedup", "SpeedupFunction"]
 
 
 class LinearSpeedup:
@@ -92,3 +92,42 @@ class SpeedupFunction:
     def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
         g = self.goodput(num_nodes, num_replicas)
         return g / self.base_goodput
+
+
+class ExploringSpeedup:
+    """A speedup function made optimistic beyond the largest size the job has run on.
+
+    ``s'(n, r) = s(n, r)`` for ``r <= r0`` and ``max(s(n, r), s(n0, r0) * (r / r0) ** beta)``
+    for ``r > r0``, with ``r0`` the largest replica count the job has run on and ``n0`` its
+    packed node count (``ceil(r0 / gpus_per_node)``). The learned goodput model has no data
+    beyond ``r0``: without a multi-node observation, AdaptDL's fit assumes inter-node
+    synchronisation 1.1x the intra-node one, and the curve often dips at the node boundary,
+    where a goodput maximiser never steps. The lower bound ``s(r0) (r / r0) ** beta`` (a
+    power-law continuation, ``beta < 1``: sub-linear) values a measurement there: "optimism in
+    the face of uncertainty". After one round at the larger size the job's model has the data
+    and the bound moves with ``r0``.
+    """
+
+    def __init__(
+        self, fn: Any, max_profiled_replicas: int, beta: float = 0.5, gpus_per_node: int = 4
+    ) -> None:
+        if max_profiled_replicas < 1:
+            raise ValueError(
+                f"max_profiled_replicas={max_profiled_replicas} must be >= 1 (a size the job "
+                "has run on)"
+            )
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta={beta} must lie in [0, 1] (0: flat, 1: linear)")
+        self._fn = fn
+        self.r0 = int(max_profiled_replicas)
+        self.beta = float(beta)
+        self.base_goodput = getattr(fn, "base_goodput", None)
+        n0 = -(-self.r0 // int(gpus_per_node))
+        self.s0 = float(fn(n0, self.r0))
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
+        s = np.asarray(self._fn(num_nodes, num_replicas), dtype=np.float64)
+        r = np.asarray(num_replicas, dtype=np.float64)
+        bound = self.s0 * (r / self.r0) ** self.beta
+        out = np.where(r > self.r0, np.maximum(s, bound), s)
+        return float(out) if out.ndim == 0 else out
