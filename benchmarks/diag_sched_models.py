@@ -1,8 +1,9 @@
 """Diagnostic: how much of our policy's gap to the target comes from learned goodput models?
 
     python benchmarks/diag_sched_models.py --workloads 3 [--modes learned full full-nocap]
+                                           [--load 1.0] [--isolated]
 
-Replays a workload (load 1.0) under our default policy with three views of each job:
+Replays a workload under our default policy with three views of each job:
 
 * ``learned``: what every policy sees in the simulator (and in a real cluster): the throughput
   model each job fits online to the configurations it has run on, and ``max_replicas`` capped at
@@ -15,12 +16,19 @@ Gradient statistics (the statistical efficiency) are the job's current ones in a
 ``full`` and ``full-nocap`` use knowledge no policy has, so they are bounds for what better
 models or faster exploration could bring, not results. Prints avg JCT / the stored Pollux
 figure and the same ratio per application.
+
+With ``--isolated`` every job is simulated *alone* on the 64-GPU cluster (submitted at the same
+offset into its 60 s round, so the wait for its first round is the same): the mean of these JCTs
+is what the policy would reach if jobs never competed for GPUs, a reference for how much of the
+JCT any policy can still remove by sharing the cluster better (about a bound: with one job the
+policy simply grows it as fast as the exploration cap allows to its best goodput).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import sys
@@ -73,6 +81,10 @@ def main() -> int:
         default=["learned", "full", "full-nocap"],
         choices=["learned", "full", "full-nocap"],
     )
+    parser.add_argument("--load", default="1.0", choices=["0.5", "1.0", "1.5", "2.0"])
+    parser.add_argument(
+        "--isolated", action="store_true", help="simulate every job alone on the cluster"
+    )
     parser.add_argument("--traces", default=default_traces_dir())
     args = parser.parse_args()
     if not args.traces:
@@ -89,20 +101,33 @@ def main() -> int:
             m["step_time"] - m["sync_time"],
             m["step_time"],
         )
-    with open(os.path.join(data_dir, "results-jobload", "pollux-1.0", "summary.json")) as f:
+    summary = os.path.join(data_dir, "results-jobload", f"pollux-{args.load}", "summary.json")
+    with open(summary) as f:
         stored = json.load(f)["jcts"]
+    wdir = "workloads" if args.load == "1.0" else f"workloads-{args.load}"
+
+    def simulate(workload, mode):
+        if mode == "learned":
+            return Simulator(workload, apps, WaterfillPolicy()).run()
+        return FullModelSimulator(
+            workload, apps, WaterfillPolicy(), full_params=full, cap=mode == "full"
+        ).run()
+
     for wl in args.workloads:
-        workload = load_workload(os.path.join(data_dir, "workloads", f"workload-{wl}.csv"))
+        workload = load_workload(os.path.join(data_dir, wdir, f"workload-{wl}.csv"))
         ref = stored[f"workload-{wl}"]
         for mode in args.modes:
             t0 = time.time()
-            if mode == "learned":
-                sim = Simulator(workload, apps, WaterfillPolicy())
+            if args.isolated:
+                jcts, restarts = {}, 0
+                for job in workload:
+                    res = simulate([dataclasses.replace(job, time=job.time % 60.0)], mode)
+                    jcts.update(res.jcts)
+                    restarts += sum(res.restarts.values())
+                res = dataclasses.replace(res, jcts=jcts, restarts={"all": restarts})
+                mode = f"{mode}, isolated"
             else:
-                sim = FullModelSimulator(
-                    workload, apps, WaterfillPolicy(), full_params=full, cap=mode == "full"
-                )
-            res = sim.run()
+                res = simulate(workload, mode)
             ratio = sum(res.jcts.values()) / sum(ref[k] for k in res.jcts)
             by = collections.defaultdict(lambda: [0.0, 0.0])
             for k, v in res.jcts.items():
@@ -110,7 +135,7 @@ def main() -> int:
                 by[k.rsplit("-", 1)[0]][1] += ref[k]
             per_app = ", ".join(f"{a} {o / p:.3f}" for a, (o, p) in sorted(by.items()))
             print(
-                f"workload-{wl} {mode:10s} avg JCT {res.avg_jct:7.1f} s  / stored Pollux "
+                f"load {args.load} workload-{wl} {mode:10s} avg JCT {res.avg_jct:7.1f} s  / stored Pollux "
                 f"{ratio:.3f}  restarts {sum(res.restarts.values())}  ({per_app})  "
                 f"[{time.time() - t0:.0f} s]",
                 flush=True,
