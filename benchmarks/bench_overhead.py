@@ -15,7 +15,8 @@ block holds the same number of sampled steps. (Interleaving the variants step by
 was tried in session 4: no narrower spread, and the A/A control read 0.92-0.95, a bias from
 the models' alternating use of the caches.)
 
-    python benchmarks/bench_overhead.py [--reps 15] [--steps 32] [--out benchmarks/results/overhead.md]
+    python benchmarks/bench_overhead.py [--reps 15] [--steps 32] [--configs 0 1 2 3]
+                                        [--out benchmarks/results/overhead.md]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CONFIGS = [  # (label, hidden width, per-replica batch)
     ("MLP 64-256-256-10 (85k params), batch 16/replica", 256, 16),
     ("MLP 64-256-256-10 (85k params), batch 128/replica", 256, 128),
     ("MLP 64-1024-1024-10 (1.1M params), batch 32/replica", 1024, 32),
+    ("MLP 64-1024-1024-10 (1.1M params), batch 128/replica", 1024, 128),
 ]
 
 
@@ -147,13 +149,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=None, help="write a markdown report here")
+    ap.add_argument(
+        "--configs",
+        type=int,
+        nargs="+",
+        default=list(range(len(CONFIGS))),
+        help="indices into CONFIGS to run (default: all)",
+    )
     args = ap.parse_args(argv)
+    if any(not 0 <= i < len(CONFIGS) for i in args.configs):
+        ap.error(f"--configs {args.configs}: indices must lie in 0..{len(CONFIGS) - 1}")
     if args.steps % 32:
         ap.error(f"--steps {args.steps} must be a multiple of 32 (the default sampling interval)")
     rows = []
     med = statistics.median
     n = args.steps
-    for label, width, bsz in CONFIGS:
+    for label, width, bsz in (CONFIGS[i] for i in args.configs):
         wall, cpu, info = spawn(_worker, 2, args=(width, bsz, args.reps, n), timeout=900)[0]
         ratio = {
             k: _paired(wall, k, args.reps, n) for k in ("adp", "adp16", "adp1", "pyhook", "ddp2")
@@ -187,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             f.write("# AdaptiveDataParallel overhead over DistributedDataParallel\n\n")
             f.write(
                 f"Command: `python benchmarks/bench_overhead.py --reps {args.reps} "
-                f"--steps {args.steps} --out {args.out}`\n\n"
+                f"--steps {args.steps} --configs {' '.join(map(str, args.configs))} "
+                f"--out {args.out}`\n\n"
             )
             f.write(
                 f"Machine: {platform.platform()}, {os.cpu_count()} CPU cores, "
