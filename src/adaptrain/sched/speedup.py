@@ -121,7 +121,6 @@ class ExploringSpeedup:
         self._fn = fn
         self.r0 = int(max_profiled_replicas)
         self.beta = float(beta)
-        self.base_goodput = getattr(fn, "base_goodput", None)
         n0 = -(-self.r0 // int(gpus_per_node))
         self.s0 = float(fn(n0, self.r0))
 

@@ -58,8 +58,8 @@ optimistically, at least ``s(r0) (r / r0) ** explore_beta``
 (:class:`~adaptrain.sched.speedup.ExploringSpeedup`); one round at the larger size measures
 it. Same-run effect on workloads 1/3/5/6 (avg JCT / stored Pollux, without -> with): load 0.5
 1.021/1.043/1.025/1.010 -> 1.016/1.026/1.006/1.012, load 1.0 0.908/0.989/0.884/0.915 ->
-0.903/0.986/0.883/0.914: small, better on 7 of these 8 files (``benchmarks/results/sched.md``,
-session 6).
+0.903/0.986/0.883/0.914; over all 16 files at loads 0.5-2.0 better on 13 (by 0.1-1.9%), worse
+on 3 (by 0.2-1.8%) (``benchmarks/results/sched.md``, session 6).
 """
 
 from __future__ import annotations
@@ -231,8 +231,7 @@ class WaterfillPolicy:
         for k in keys:  # honour minimum replicas: below it a job gets nothing
             if target[k] < jobs[k].min_replicas:
                 target[k] = 0
-        need_min = {k: max(1, jobs[k].min_replicas) for k in keys}
-        placed = self._place(keys, target, nodes, base_allocations, need_min)
+        placed = self._place(keys, target, nodes, base_allocations, need)
         if not self._runs:
             return placed
         # independent searches (own seeds and warm-start populations): keep the fittest answer;
@@ -316,7 +315,7 @@ class WaterfillPolicy:
             target[k_up] += d
         return target
 
-    def _place(self, keys, target, nodes, base_allocations, need_min) -> Allocation:
+    def _place(self, keys, target, nodes, base_allocations, need) -> Allocation:
         """Nodes for the chosen sizes; a job that does not fit gets the largest size that
         does, but never less than its minimum (then nothing)."""
         g = self.gpus_per_node
@@ -341,7 +340,7 @@ class WaterfillPolicy:
         pending.sort(key=lambda k: -target[k])
         for k in pending:
             r, alloc = target[k], None
-            while r >= need_min[k]:
+            while r >= need[k]:
                 alloc = self._fit(r, free, multi_owner, g)
                 if alloc is not None:
                     break
