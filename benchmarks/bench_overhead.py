@@ -3,19 +3,24 @@
 All variants wrap the same model on the same 2-process gloo group and train on the same batches
 (digits, fixed batch size): plain DDP; a second plain DDP (the A/A control: how far two
 identical variants read apart); DDP with torch's Python ``allreduce_hook`` (what any
-Python communication hook costs); ADP with its default sampled statistics (one step in 32),
-warmed up past the early every-step phase (the steady state of a run longer than ~2000 steps);
-the same with ``max_stats_interval=16`` (the session-3 default); and ADP sampling every step
+Python communication hook costs); ADP with its default sampled statistics (one step in 62 at a
+fixed batch),
+warmed up past the early every-step phase (the steady state of a run longer than ~4000 steps);
+optionally the same with ``max_stats_interval=32`` (``adp32``, the previous default,
+one step in 32; ``--steps`` a multiple of 992 then); and ADP sampling every step
 (``max_stats_interval=1``, AdaptDL's cadence and the cost of the first ~100 steps).
 Each of ``--reps`` repetitions runs a block of ``--steps`` steps of each (rotating order),
 timing every step; the ratio of a block's mean step time to the adjacent DDP block's is one
 paired sample and the median over repetitions is reported (robust to load that drifts, and to
-preemption spikes on a shared machine). ``--steps`` must be a multiple of 32, so that every
-block holds the same number of sampled steps. (Interleaving the variants step by step instead
-was tried in session 4: no narrower spread, and the A/A control read 0.92-0.95, a bias from
+preemption spikes on a shared machine). ``--steps`` must be a multiple of every timed ADP's
+sampling interval (62 by default), so that every block holds the same number of sampled steps.
+A 95% confidence interval of each median (binomial order statistics) is printed: on a 2-core
+host the paired ratios scatter by +-15%, so resolving 1% takes thousands of repetitions.
+(Interleaving the variants step by step instead was tried in session 4: no narrower spread, and the A/A control read 0.92-0.95, a bias from
 the models' alternating use of the caches.)
 
-    python benchmarks/bench_overhead.py [--reps 15] [--steps 32] [--configs 0 1 2 3]
+    python benchmarks/bench_overhead.py [--reps 21] [--steps 62] [--configs 0 1 2 3]
+                                        [--variants ddp ddp2 adp]
                                         [--out benchmarks/results/overhead.md]
 """
 
@@ -53,7 +58,13 @@ def _model(width: int) -> torch.nn.Module:
     )
 
 
-def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> list[float]:
+VARIANTS = ("ddp", "ddp2", "pyhook", "adp", "adp32", "adp1")
+DEFAULT_VARIANTS = ("ddp", "ddp2", "pyhook", "adp", "adp1")
+
+
+def _worker(
+    rank: int, ws: int, width: int, bsz: int, reps: int, steps: int, variants: tuple[str, ...]
+) -> list[float]:
     import torch.distributed as dist
     from sklearn.datasets import load_digits
 
@@ -84,9 +95,9 @@ def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> 
     adp = AdaptiveDataParallel(m, opt_adp, name="adp-sampled")
     models["adp"] = (adp, opt_adp)
     m = _model(width)
-    opt_adp16 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    adp16 = AdaptiveDataParallel(m, opt_adp16, name="adp-16", max_stats_interval=16)
-    models["adp16"] = (adp16, opt_adp16)
+    opt_adp32 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    adp32 = AdaptiveDataParallel(m, opt_adp32, name="adp-32", max_stats_interval=32)
+    models["adp32"] = (adp32, opt_adp32)
     m = _model(width)
     opt_adp1 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     adp1 = AdaptiveDataParallel(m, opt_adp1, name="adp-every-step", max_stats_interval=1)
@@ -105,11 +116,19 @@ def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> 
         for model, opt in models.values():
             step(model, opt, batches[i % 16])
     warm = 0  # the sampled ADPs past their early every-step phase (same count on both ranks)
-    for sampled, sampled_opt in ((adp, opt_adp), (adp16, opt_adp16)):
-        while sampled.gns.sample_interval() < sampled.gns._max_interval:
+    for name, (sampled, sampled_opt) in (("adp", (adp, opt_adp)), ("adp32", (adp32, opt_adp32))):
+        if name not in variants:
+            continue
+        settled = sampled.gns.settled_interval()
+        if steps % settled:
+            raise ValueError(
+                f"steps={steps} is not a multiple of {name}'s sampling interval ({settled}): "
+                "blocks would hold different numbers of sampled steps"
+            )
+        while sampled.gns.sample_interval() < settled:
             step(sampled, sampled_opt, batches[warm % 16])
             warm += 1
-    names = list(models)
+    names = [k for k in models if k in variants]
     n0 = adp.gns.num_updates
     wall = {k: [] for k in names}
     cpu = {k: [] for k in names}
@@ -134,7 +153,7 @@ def _worker(rank: int, ws: int, width: int, bsz: int, reps: int, steps: int) -> 
 def _paired(wall: dict, name: str, reps: int, n: int) -> list[float]:
     """Block r of ``name`` against block r of DDP (adjacent in time): ratio of mean steps.
 
-    The mean, not the median: with sampled statistics one step in up to 32 is slower, and the
+    The mean, not the median: with sampled statistics one step in up to 62 is slower, and the
     median step would hide it; a preemption spike inflates one block, which the median over
     repetitions then discards.
     """
@@ -144,10 +163,29 @@ def _paired(wall: dict, name: str, reps: int, n: int) -> list[float]:
     ]
 
 
+def _paired_both(wall: dict, reps: int, n: int) -> list[float]:
+    """Block r of ADP against the mean of block r of both plain-DDP instances."""
+    return [
+        2
+        * sum(wall["adp"][k * n : (k + 1) * n])
+        / (sum(wall["ddp"][k * n : (k + 1) * n]) + sum(wall["ddp2"][k * n : (k + 1) * n]))
+        for k in range(reps)
+    ]
+
+
+def _median_ci(xs: list[float]) -> tuple[float, float]:
+    """Distribution-free 95% confidence interval of the median (binomial order statistics)."""
+    xs = sorted(xs)
+    n = len(xs)
+    half = 0.98 * n**0.5  # 1.96 * sqrt(n) / 2
+    lo, hi = max(int(n / 2 - half), 0), min(int(n / 2 + 1 + half + 0.5), n - 1)
+    return xs[lo], xs[hi]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=21)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=62)
     ap.add_argument("--out", default=None, help="write a markdown report here")
     ap.add_argument(
         "--configs",
@@ -156,40 +194,57 @@ def main(argv: list[str] | None = None) -> int:
         default=list(range(len(CONFIGS))),
         help="indices into CONFIGS to run (default: all)",
     )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(DEFAULT_VARIANTS),
+        choices=VARIANTS,
+        help="variants to time (default: all but adp32; ddp and adp are always kept). Fewer variants "
+        "put each ADP block closer in time to its DDP block",
+    )
     args = ap.parse_args(argv)
     if any(not 0 <= i < len(CONFIGS) for i in args.configs):
         ap.error(f"--configs {args.configs}: indices must lie in 0..{len(CONFIGS) - 1}")
-    if args.steps % 32:
-        ap.error(f"--steps {args.steps} must be a multiple of 32 (the default sampling interval)")
+    variants = tuple(k for k in VARIANTS if k in set(args.variants) | {"ddp", "adp"})
     rows = []
     med = statistics.median
+    nan = float("nan")
     n = args.steps
     for label, width, bsz in (CONFIGS[i] for i in args.configs):
-        wall, cpu, info = spawn(_worker, 2, args=(width, bsz, args.reps, n), timeout=900)[0]
+        wall, cpu, info = spawn(
+            _worker, 2, args=(width, bsz, args.reps, n, variants), timeout=3600
+        )[0]
         ratio = {
-            k: _paired(wall, k, args.reps, n) for k in ("adp", "adp16", "adp1", "pyhook", "ddp2")
+            k: _paired(wall, k, args.reps, n) if k in variants else [nan]
+            for k in ("adp", "adp32", "adp1", "pyhook", "ddp2")
         }
         q = statistics.quantiles(ratio["adp"], n=4)
         row = {
             "label": label,
             "adp": med(ratio["adp"]),
             "iqr": (q[0], q[2]),
+            "ci": _median_ci(ratio["adp"]),
+            "ci_aa": _median_ci(ratio["ddp2"]) if "ddp2" in variants else (nan, nan),
             # CPU: total process time of all steps (per-step CPU clocks are too coarse)
             "cpu": sum(cpu["adp"]) / sum(cpu["ddp"]),
-            "adp16": med(ratio["adp16"]),
-            "cpu16": sum(cpu["adp16"]) / sum(cpu["ddp"]),
+            "adp32": med(ratio["adp32"]),
+            "cpu32": sum(cpu["adp32"]) / sum(cpu["ddp"]) if "adp32" in variants else nan,
             "adp1": med(ratio["adp1"]),
             "pyhook": med(ratio["pyhook"]),
             "ddp2": med(ratio["ddp2"]),
+            # against both plain-DDP instances: cancels a per-instance (memory layout) offset
+            "adp_both": med(_paired_both(wall, args.reps, n)) if "ddp2" in variants else nan,
             "ms": med(wall["ddp"]) * 1e3,
             "info": info,
         }
         rows.append(row)
         print(
-            f"{label}: ADP sampled/DDP paired median {row['adp']:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}), "
-            f"CPU {row['cpu']:.3f}; interval 16 {row['adp16']:.3f} (CPU {row['cpu16']:.3f}); "
+            f"{label}: ADP sampled/DDP paired median {row['adp']:.3f} (IQR {q[0]:.3f}-{q[2]:.3f}, "
+            f"95% CI of the median {row['ci'][0]:.3f}-{row['ci'][1]:.3f}), "
+            f"CPU {row['cpu']:.3f}; interval 32 {row['adp32']:.3f} (CPU {row['cpu32']:.3f}); "
             f"ADP every step/DDP {row['adp1']:.3f}; torch Python hook/DDP {row['pyhook']:.3f}; "
-            f"DDP again/DDP {row['ddp2']:.3f}; DDP step {row['ms']:.2f} ms; {info}",
+            f"DDP again/DDP {row['ddp2']:.3f} (CI {row['ci_aa'][0]:.3f}-{row['ci_aa'][1]:.3f}); "
+            f"ADP/both DDPs {row['adp_both']:.3f}; DDP step {row['ms']:.2f} ms; {info}",
             flush=True,
         )
     if args.out:
@@ -199,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(
                 f"Command: `python benchmarks/bench_overhead.py --reps {args.reps} "
                 f"--steps {args.steps} --configs {' '.join(map(str, args.configs))} "
+                f"--variants {' '.join(variants)} "
                 f"--out {args.out}`\n\n"
             )
             f.write(
@@ -207,24 +263,27 @@ def main(argv: list[str] | None = None) -> int:
                 "2 gloo processes on 127.0.0.1, 1 thread each.\n\n"
             )
             f.write(
-                "| model, batch | ADP (one step in 32 sampled) / DDP step time (median of "
-                "paired block means) | IQR | its CPU time / DDP's | ADP, one in 16 / DDP (CPU) | "
+                "| model, batch | ADP (default sampling) / DDP step time (median of "
+                "paired block means) | IQR | 95% CI of the median | its CPU time / DDP's | ADP, one in 32 / DDP (CPU) | "
                 "ADP every step / DDP | torch's Python allreduce_hook / DDP | DDP again / DDP "
-                "(noise floor) | DDP step (ms) | warm-up steps, share of timed steps sampled |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n"
+                "(noise floor) | ADP / mean of both DDPs | DDP step (ms) | warm-up steps, share of timed steps sampled |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
             )
             for r in rows:
                 f.write(
                     f"| {r['label']} | **{r['adp']:.3f}×** | {r['iqr'][0]:.3f}–{r['iqr'][1]:.3f} "
-                    f"| {r['cpu']:.3f}× | {r['adp16']:.3f}× ({r['cpu16']:.3f}×) | "
-                    f"{r['adp1']:.3f}× | {r['pyhook']:.3f}× | {r['ddp2']:.3f}× | {r['ms']:.2f} | "
+                    f"| {r['ci'][0]:.3f}–{r['ci'][1]:.3f} "
+                    f"| {r['cpu']:.3f}× | {r['adp32']:.3f}× ({r['cpu32']:.3f}×) | "
+                    f"{r['adp1']:.3f}× | {r['pyhook']:.3f}× | {r['ddp2']:.3f}× "
+                    f"({r['ci_aa'][0]:.3f}–{r['ci_aa'][1]:.3f}) | {r['adp_both']:.3f}× | {r['ms']:.2f} | "
                     f"{r['info']['warm']}, {r['info']['sampled_share']:.3f} |\n"
                 )
             f.write(
-                f"\n{args.reps} repetitions; each runs a block of {args.steps} steps of plain "
+                f"\nVariants timed: {', '.join(variants)}. "
+                f"{args.reps} repetitions; each runs a block of {args.steps} steps of plain "
                 "DDP, a second plain DDP (A/A control), DDP with torch's Python `allreduce_hook`, "
                 "ADP (default sampling, after the warm-up steps that take it past its every-step "
-                "phase), the same with `max_stats_interval=16`, and ADP sampling every step "
+                "phase), optionally the same with `max_stats_interval=32`, and ADP sampling every step "
                 "(`max_stats_interval=1`), rotating order, SGD with momentum, scale 1; per-step "
                 "wall time on rank 0; one paired sample = ratio of two adjacent blocks' mean "
                 "step times; CPU = total process time of all blocks.\n"

@@ -158,7 +158,7 @@ def _measure(setups: dict, loss_fn, rounds: int, steps: int, warmup: int) -> lis
         for _ in range(warmup):
             step(name)
     adp = setups["adaptrain"][0] if "adaptrain" in setups else None
-    while adp is not None and adp.gns.sample_interval() < adp.gns._max_interval:
+    while adp is not None and adp.gns.sample_interval() < adp.gns.settled_interval():
         step("adaptrain")  # past the every-step phase: the steady state of a longer run
     per_round: list[dict[str, float]] = []
     names = list(setups)

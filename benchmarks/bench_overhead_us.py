@@ -8,7 +8,7 @@ rotating between rounds), and the forward, backward and optimizer-step times of 
 averaged; one paired sample is a variant's chunk mean minus the adjacent DDP chunk's, and the
 median over rounds is reported, with the ratio of whole steps. Variants: plain DDP, a second
 plain DDP (A/A control), ADP with its default sampled statistics (warmed up to one sample in
-32 steps), and ADP with statistics off (its bookkeeping and the scaling rule's step hooks
+62 steps), and ADP with statistics off (its bookkeeping and the scaling rule's step hooks
 only). The expected ratio at a step of ``T`` microseconds is ``1 + cost / T``.
 
 Run it with ``--world-size 1``: with two gloo processes the all-reduce of even a tiny model
@@ -17,12 +17,13 @@ in one process the A/A control stays within ±1.5 us. One process pairs consecut
 its samples (two hooked steps per sample instead of one), so its sampling cost is an upper
 bound of the multi-replica one; the bookkeeping and step hooks are the same code.
 
-    python benchmarks/bench_overhead_us.py --world-size 1 [--rounds 40] [--steps 64]
+    python benchmarks/bench_overhead_us.py --world-size 1 [--rounds 40] [--steps 124]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -70,7 +71,7 @@ def _worker(rank: int, ws: int, width: int, rounds: int, steps: int) -> dict:
             step(model, opt)
     adp, adp_opt = models["adp"]
     warm = 0
-    while adp.gns.sample_interval() < adp.gns._max_interval:  # past the every-step phase
+    while adp.gns.sample_interval() < adp.gns.settled_interval():  # past the every-step phase
         step(adp, adp_opt)
         warm += 1
     names = list(models)
@@ -92,10 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--width", type=int, default=32, help="hidden width of the tiny MLP")
     ap.add_argument("--rounds", type=int, default=40)
-    ap.add_argument("--steps", type=int, default=64, help="steps per chunk (a multiple of 32)")
+    ap.add_argument(
+        "--steps", type=int, default=124, help="steps per chunk (a multiple of the interval, 62)"
+    )
     args = ap.parse_args(argv)
-    if args.steps % 32:
-        ap.error(f"--steps {args.steps} must be a multiple of 32 (the default sampling interval)")
+    from adaptrain.core.gns import sample_interval
+
+    settled = sample_interval(0.999, math.inf, 0.25, 1.0)  # ADP's defaults at a fixed batch
+    if args.steps % settled:
+        ap.error(f"--steps {args.steps} must be a multiple of {settled} (the sampling interval)")
     out = spawn(_worker, args.world_size, args=(args.width, args.rounds, args.steps), timeout=900)[
         0
     ]

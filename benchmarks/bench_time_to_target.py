@@ -206,7 +206,7 @@ def _run(
 
     train_time, next_eval, steps = 0.0, 0.0, 0
     reached, value = math.inf, math.nan
-    trace: list[tuple[float, int]] = []
+    trace: list[tuple[float, int, float]] = []  # (training s, batch, metric)
     last_bs = B0
     flags = torch.zeros(2)
     stop = False
@@ -230,7 +230,7 @@ def _run(
                 value = metric(module)
                 module.train()
                 next_eval = train_time + eval_every
-                trace.append((round(train_time, 2), last_bs))
+                trace.append((round(train_time, 2), last_bs, round(value, 4)))
                 done = value <= target if lower_better else value >= target
                 if rank == 0:
                     flags[0] = float(done)
@@ -249,7 +249,7 @@ def _run(
         "value": value,
         "steps": steps,
         "final_batch": last_bs,
-        "max_batch": max((b for _, b in trace), default=last_bs),
+        "max_batch": max((b for _, b, _ in trace), default=last_bs),
         "trace": trace,
     }
 
@@ -258,11 +258,21 @@ def _changes(out: dict) -> str:
     """Batch-size changes seen at the evaluations: ``32@0.0s → 64@3.1s ...``."""
     seen: list[str] = []
     last = None
-    for t, b in out["trace"]:
+    for t, b, _ in out["trace"]:
         if b != last:
             seen.append(f"{b}@{t}s")
             last = b
     return " → ".join(seen) or "-"
+
+
+def _curve(out: dict, every: float) -> str:
+    """The metric at the first evaluation past each multiple of ``every`` seconds."""
+    pts, nxt = [], 0.0
+    for t, _, v in out["trace"]:
+        if t >= nxt:
+            pts.append(f"{v:.3f}@{t:.0f}s")
+            nxt = (t // every + 1) * every
+    return " ".join(pts)
 
 
 def _fmt(t: float) -> str:
@@ -291,6 +301,12 @@ def main() -> None:
         "--lr0", type=float, default=None, help="override the task's base learning rate (at B0)"
     )
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument(
+        "--curve-every",
+        type=float,
+        default=0.0,
+        help="also print each run's metric every this many training seconds (0: off)",
+    )
     args = p.parse_args()
 
     from adaptrain.dist.spawn import free_port, spawn
@@ -355,6 +371,8 @@ def main() -> None:
                     + ("" if v.startswith("fixed-") else f", batch at evals: {_changes(out)}"),
                     flush=True,
                 )
+                if args.curve_every > 0:
+                    print(f"    metric: {_curve(out, args.curve_every)}", flush=True)
             per_rep.append(res)
         unit = "bits/char ≤" if task == "charlm" else "accuracy ≥"
         print(f"\n### {task}: training seconds to {unit} {target} (median of {args.reps})")

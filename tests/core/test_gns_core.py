@@ -215,7 +215,9 @@ def test_sample_interval_keeps_enough_samples_in_the_memory():
     # memory 1 + 0.25·t steps, 16 samples in it: floor((1 + 0.25 t)/16)
     assert sample_interval(0.999, 500.0, 0.25, 1.0) == 7
     # capped at AdaptDL's memory (1000 steps) and at max_interval
-    assert sample_interval(0.999, 1e9, 0.25, 1.0) == 32  # default cap
+    # the default cap (64) is above the rule's 1000 / 16 = 62 steps at scale 1
+    assert sample_interval(0.999, 1e9, 0.25, 1.0) == 62
+    assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=32) == 32
     assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=16) == 16
     assert sample_interval(0.999, 1e9, 0.25, 1.0, max_interval=64) == 62
     # at scale S a step covers S units: the memory holds S times fewer steps

@@ -139,8 +139,15 @@ def test_sample_interval_cache_follows_scale_and_loaded_history():
     g = GradientNoiseScale(num_replicas=2)
     state = g.state_dict()
     g.load_state_dict({**state, "history": 1e6})
-    assert g.sample_interval(1.0) == 32  # at the cap: remembered for scale 1
-    assert g.sample_interval(1.0) == 32
-    assert g.sample_interval(8.0) == sample_interval(0.999, 1e6, 0.25, 8.0) == 7  # not cached
+    assert g.settled_interval(1.0) == 62  # 1000-step memory, 16 samples in it
+    assert g.sample_interval(1.0) == 62  # the memory is full: remembered for scale 1
+    assert g._settled == (1.0, 62)
+    assert g.sample_interval(1.0) == 62
+    assert g.sample_interval(8.0) == sample_interval(0.999, 1e6, 0.25, 8.0) == 7
+    assert g._settled == (8.0, 7)
     g.load_state_dict({**state, "history": 100.0})  # a shorter history: recomputed
     assert g.sample_interval(1.0) == sample_interval(0.999, 100.0, 0.25, 1.0) == 1
+    assert g._settled is None  # still growing: not remembered
+    capped = GradientNoiseScale(num_replicas=2, max_interval=32)
+    capped.load_state_dict({**state, "history": 1e6})
+    assert capped.settled_interval(1.0) == capped.sample_interval(1.0) == 32  # at the cap

@@ -255,7 +255,7 @@ def sample_interval(
     window_fraction: float | None,
     scale: float,
     samples_per_window: float = 16.0,
-    max_interval: int = 32,
+    max_interval: int = 64,
 ) -> int:
     """Optimizer steps between two noise-scale samples, keeping the average's precision.
 

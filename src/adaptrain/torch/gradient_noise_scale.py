@@ -204,7 +204,7 @@ class GradientNoiseScale:
         accum_scale: float | None = None,
         smoothing: float = 0.999,
         window_fraction: float | None = 0.25,
-        max_interval: int = 32,
+        max_interval: int = 64,
         samples_per_window: float = 16.0,
     ) -> None:
         if num_replicas is None:
@@ -237,7 +237,7 @@ class GradientNoiseScale:
         self._skipped = 0.0  # span of samples skipped since the last folded one
         self._steps_since = 0  # optimizer steps since the last measured step
         self._last_scale = 1.0  # scale of the last optimizer step
-        self._capped_scale: float | None = None  # a scale whose interval reached max_interval
+        self._settled: tuple[float, int] | None = None  # (scale, its final interval)
         self._sqr = _gns.ema_init(0.0)
         self._var = _gns.ema_init(0.0)
         self._progress = 0.0
@@ -315,10 +315,12 @@ class GradientNoiseScale:
         """Optimizer steps between two samples at ``scale`` (default: the last step's)."""
         if scale is None:
             scale = self._last_scale
-        if scale == self._capped_scale:
+        settled = self._settled
+        if settled is not None and settled[0] == scale:
             # At a given scale the interval only grows with the history (a longer memory), so
-            # once it reached the cap it stays there; skips the arithmetic on most steps.
-            return self._max_interval
+            # once it reached the cap or the memory its full length it stays there; skips the
+            # arithmetic on most steps.
+            return settled[1]
         k = _gns.sample_interval(
             self._smoothing,
             self._history,
@@ -327,9 +329,24 @@ class GradientNoiseScale:
             self._samples_per_window,
             self._max_interval,
         )
-        if k >= self._max_interval:
-            self._capped_scale = scale
+        if k >= self._max_interval or k == self.settled_interval(scale):
+            self._settled = (scale, k)
         return k
+
+    def settled_interval(self, scale: float | None = None) -> int:
+        """The interval at ``scale`` once the average's memory has reached its full length
+        (``min(max_interval, floor(1/((1 − smoothing)·scale·samples_per_window)))``): where
+        the early every-step phase ends up, e.g. 62 steps at scale 1 with the defaults."""
+        if scale is None:
+            scale = self._last_scale
+        return _gns.sample_interval(
+            self._smoothing,
+            math.inf,
+            self._window_fraction,
+            scale,
+            self._samples_per_window,
+            self._max_interval,
+        )
 
     # ----- collection --------------------------------------------------------------------------
     def register(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -632,4 +649,4 @@ class GradientNoiseScale:
         self._skipped = float(state.get("skipped", 0.0))
         self._steps_since = int(state.get("steps_since", 0))
         self._last_scale = float(state.get("last_scale", 1.0))
-        self._capped_scale = None  # the history may be shorter now
+        self._settled = None  # the history may be shorter now
