@@ -329,7 +329,7 @@ class GradientNoiseScale:
             self._samples_per_window,
             self._max_interval,
         )
-        if k >= self._max_interval or k == self.settled_interval(scale):
+        if k == self.settled_interval(scale):  # the cap, or the full memory's interval
             self._settled = (scale, k)
         return k
 
