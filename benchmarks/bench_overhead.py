@@ -150,36 +150,22 @@ def _worker(
     return wall, cpu, info
 
 
-def _paired(wall: dict, name: str, reps: int, n: int) -> list[float]:
-    """Block r of ``name`` against block r of DDP (adjacent in time): ratio of mean steps.
+def _block_sums(times: list[float], reps: int, n: int) -> list[float]:
+    """Total step time of each block of ``n`` steps.
 
-    The mean, not the median: with sampled statistics one step in up to 62 is slower, and the
-    median step would hide it; a preemption spike inflates one block, which the median over
-    repetitions then discards.
+    Paired samples compare block sums (i.e. mean steps), not medians: with sampled statistics
+    one step in up to 62 is slower, and the median step would hide it; a preemption spike
+    inflates one block, which the median over repetitions then discards.
     """
-    return [
-        sum(wall[name][k * n : (k + 1) * n]) / sum(wall["ddp"][k * n : (k + 1) * n])
-        for k in range(reps)
-    ]
-
-
-def _paired_both(wall: dict, reps: int, n: int) -> list[float]:
-    """Block r of ADP against the mean of block r of both plain-DDP instances."""
-    return [
-        2
-        * sum(wall["adp"][k * n : (k + 1) * n])
-        / (sum(wall["ddp"][k * n : (k + 1) * n]) + sum(wall["ddp2"][k * n : (k + 1) * n]))
-        for k in range(reps)
-    ]
+    return [sum(times[k * n : (k + 1) * n]) for k in range(reps)]
 
 
 def _median_ci(xs: list[float]) -> tuple[float, float]:
-    """Distribution-free 95% confidence interval of the median (binomial order statistics)."""
-    xs = sorted(xs)
-    n = len(xs)
-    half = 0.98 * n**0.5  # 1.96 * sqrt(n) / 2
-    lo, hi = max(int(n / 2 - half), 0), min(int(n / 2 + 1 + half + 0.5), n - 1)
-    return xs[lo], xs[hi]
+    """Distribution-free 95% confidence interval of the median (scipy's binomial quantile test)."""
+    from scipy.stats import quantile_test
+
+    ci = quantile_test(xs, q=statistics.median(xs), p=0.5).confidence_interval(0.95)
+    return float(ci.low), float(ci.high)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,8 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         wall, cpu, info = spawn(
             _worker, 2, args=(width, bsz, args.reps, n, variants), timeout=3600
         )[0]
+        # block r of each variant against block r of DDP (adjacent in time)
+        sums = {k: _block_sums(wall[k], args.reps, n) for k in variants}
         ratio = {
-            k: _paired(wall, k, args.reps, n) if k in variants else [nan]
+            k: [a / d for a, d in zip(sums[k], sums["ddp"])] if k in variants else [nan]
             for k in ("adp", "adp32", "adp1", "pyhook", "ddp2")
         }
         q = statistics.quantiles(ratio["adp"], n=4)
@@ -233,7 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             "pyhook": med(ratio["pyhook"]),
             "ddp2": med(ratio["ddp2"]),
             # against both plain-DDP instances: cancels a per-instance (memory layout) offset
-            "adp_both": med(_paired_both(wall, args.reps, n)) if "ddp2" in variants else nan,
+            "adp_both": med(
+                [2 * a / (d + d2) for a, d, d2 in zip(sums["adp"], sums["ddp"], sums["ddp2"])]
+            )
+            if "ddp2" in variants
+            else nan,
             "ms": med(wall["ddp"]) * 1e3,
             "info": info,
         }

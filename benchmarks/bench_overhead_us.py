@@ -23,7 +23,6 @@ bound of the multi-replica one; the bookkeeping and step hooks are the same code
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -97,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         "--steps", type=int, default=124, help="steps per chunk (a multiple of the interval, 62)"
     )
     args = ap.parse_args(argv)
-    from adaptrain.core.gns import sample_interval
+    from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
 
-    settled = sample_interval(0.999, math.inf, 0.25, 1.0)  # ADP's defaults at a fixed batch
+    settled = GradientNoiseScale(num_replicas=1).settled_interval(1.0)  # ADP's defaults
     if args.steps % settled:
         ap.error(f"--steps {args.steps} must be a multiple of {settled} (the sampling interval)")
     out = spawn(_worker, args.world_size, args=(args.width, args.rounds, args.steps), timeout=900)[

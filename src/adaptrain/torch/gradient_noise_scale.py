@@ -238,6 +238,7 @@ class GradientNoiseScale:
         self._steps_since = 0  # optimizer steps since the last measured step
         self._last_scale = 1.0  # scale of the last optimizer step
         self._settled: tuple[float, int] | None = None  # (scale, its final interval)
+        self._target: tuple[float, int] | None = None  # (scale, settled_interval(scale))
         self._sqr = _gns.ema_init(0.0)
         self._var = _gns.ema_init(0.0)
         self._progress = 0.0
@@ -329,7 +330,10 @@ class GradientNoiseScale:
             self._samples_per_window,
             self._max_interval,
         )
-        if k == self.settled_interval(scale):  # the cap, or the full memory's interval
+        target = self._target
+        if target is None or target[0] != scale:  # independent of the history: computed once
+            target = self._target = (scale, self.settled_interval(scale))
+        if k == target[1]:  # the cap, or the full memory's interval
             self._settled = (scale, k)
         return k
 
