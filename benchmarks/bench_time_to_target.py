@@ -4,7 +4,7 @@ For each task, 2 gloo replicas train until a validation target is reached; the f
 *training* wall time (evaluation pauses the clock), median over repetitions:
 
 * ``fixed-B``: plain ``DistributedDataParallel`` at global batch ``B`` with the learning rate
-  scaled linearly from the base (``lr0 · B / B0``, ``B0 = 32``); the **oracle** is the fastest
+  scaled linearly from the base (``lr0 · B / B0``, ``B0 = 32`` unless ``--b0``); the **oracle** is the fastest
   member of the sweep in the same repetition, the **default** is ``B = B0`` (what a user who does
   not tune the batch size runs).
 * ``adaptrain``: ``adaptrain.torch`` with ``autoscale_batch_size`` (initial batch ``B0``, gradient
@@ -30,6 +30,13 @@ variants run back to back in a rotating order, then the median over repetitions 
 
     python benchmarks/bench_time_to_target.py                      # both tasks, 3 repetitions
     python benchmarks/bench_time_to_target.py --tasks digits --reps 1
+    python benchmarks/bench_time_to_target.py --tasks charlm --b0 8 --lr0 3e-3  # small default
+
+``--variants`` also takes ``fixed-B@LR``: batch ``B`` at the absolute learning rate ``LR`` (a
+point tuned by hand); it joins the sweep, so the oracle is the best of both.
+``--b0`` changes the user's default batch (autoscale's initial batch and the base of the linear
+rule); the sweep keeps its multiples of it (``--sweep`` overrides) and the smallest local batch
+autoscale may use is lowered to ``B0 / 2`` when needed.
 """
 
 from __future__ import annotations
@@ -122,6 +129,7 @@ def _run(
     cache: str,
     lr0: float | None = None,
     log_decisions: bool = False,
+    b0: int = B0,
 ) -> dict:
     import torch
     import torch.distributed as dist
@@ -131,6 +139,8 @@ def _run(
     cfg = dict(TASKS[task])
     if lr0 is not None:
         cfg["lr0"] = lr0
+    lo, hi = cfg["bounds"]
+    cfg["bounds"] = (max(min(lo, b0 // world), 1), hi)
     lower_better = task == "charlm"
     adaptdl_torch = None
     if variant == "adaptdl":
@@ -169,8 +179,10 @@ def _run(
     if variant.startswith("fixed-"):
         from torch.utils.data import DataLoader, DistributedSampler
 
-        bsz = int(variant.split("-")[1])
-        opt = _optimizer(opt_kind, model.parameters(), cfg["lr0"] * bsz / B0)
+        size, _, lr = variant.removeprefix("fixed-").partition("@")
+        bsz = int(size)
+        lr = float(lr) if lr else cfg["lr0"] * bsz / b0
+        opt = _optimizer(opt_kind, model.parameters(), lr)
         model = torch.nn.parallel.DistributedDataParallel(model)
         sampler = DistributedSampler(train, shuffle=True, seed=seed)
         loader = DataLoader(train, batch_size=max(bsz // world, 1), sampler=sampler)
@@ -193,7 +205,7 @@ def _run(
         elif variant == "adaptrain-linear":  # the sweep's rule: lr0 * B / B0
             kwargs["scaling_rule"] = lib.scaling_rules.LinearScale()
         model = lib.AdaptiveDataParallel(model, opt, **kwargs)
-        loader = lib.AdaptiveDataLoader(train, batch_size=B0, shuffle=True)
+        loader = lib.AdaptiveDataLoader(train, batch_size=b0, shuffle=True)
         loader.autoscale_batch_size(
             cfg["max_batch"], local_bsz_bounds=cfg["bounds"], gradient_accumulation=True
         )
@@ -202,12 +214,12 @@ def _run(
             return lib.remaining_epochs_until(1_000_000)
 
         def batch_size() -> int:
-            return int(loader.current_batch_size or B0)
+            return int(loader.current_batch_size or b0)
 
     train_time, next_eval, steps = 0.0, 0.0, 0
     reached, value = math.inf, math.nan
     trace: list[tuple[float, int, float]] = []  # (training s, batch, metric)
-    last_bs = B0
+    last_bs = b0
     flags = torch.zeros(2)
     stop = False
     for _epoch in epochs():
@@ -300,6 +312,12 @@ def main() -> None:
     p.add_argument(
         "--lr0", type=float, default=None, help="override the task's base learning rate (at B0)"
     )
+    p.add_argument(
+        "--b0", type=int, default=B0, help="the user's default (and autoscale's initial) batch"
+    )
+    p.add_argument(
+        "--sweep", type=int, nargs="+", default=None, help="fixed batch sizes (default: 1-8x B0)"
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument(
         "--curve-every",
@@ -333,13 +351,20 @@ def main() -> None:
     )
     for task in args.tasks:
         target = args.charlm_target if task == "charlm" else args.digits_target
-        variants = [f"fixed-{b}" for b in TASKS[task]["sweep"]] + ["adaptrain", "adaptrain-linear"]
+        sweep_sizes = args.sweep or [b * args.b0 // B0 for b in TASKS[task]["sweep"]]
+        if args.b0 not in sweep_sizes:
+            sweep_sizes = [args.b0, *sweep_sizes]
+        variants = [f"fixed-{b}" for b in sweep_sizes] + ["adaptrain", "adaptrain-linear"]
         if TASKS[task]["optimizer"] == "adam":
             variants.append("adaptrain-adascale")
         if with_adaptdl:
             variants.append("adaptdl")
         if args.variants:
-            variants = [v for v in variants if v in args.variants or v == f"fixed-{B0}"]
+            extra = [v for v in args.variants if "@" in v and v.startswith("fixed-")]
+            variants = [v for v in variants if v in args.variants or v == f"fixed-{args.b0}"]
+            variants = [*[v for v in variants if v.startswith("fixed-")], *extra] + [
+                v for v in variants if not v.startswith("fixed-")
+            ]
         eval_every = args.eval_every or TASKS[task]["eval_every"]
         per_rep: list[dict[str, dict]] = []
         for rep in range(args.reps):
@@ -360,6 +385,7 @@ def main() -> None:
                         cache,
                         args.lr0,
                         args.log_decisions,
+                        args.b0,
                     ),
                     timeout=args.timeout,
                     init=False,
@@ -377,14 +403,15 @@ def main() -> None:
         unit = "bits/char ≤" if task == "charlm" else "accuracy ≥"
         print(f"\n### {task}: training seconds to {unit} {target} (median of {args.reps})")
         print(
-            "| variant | time (s) | / oracle | / default (fixed-32) | median steps | final batch |"
+            f"| variant | time (s) | / oracle | / default (fixed-{args.b0}) | median steps "
+            "| final batch |"
         )
         print("|---|---|---|---|---|---|")
         for v in variants:
             times = [r[v]["time"] for r in per_rep]
             sweep = [v for v in variants if v.startswith("fixed-")]
             oracle = [min(r[b]["time"] for b in sweep) for r in per_rep]
-            default = [r[f"fixed-{B0}"]["time"] for r in per_rep]
+            default = [r[f"fixed-{args.b0}"]["time"] for r in per_rep]
             ratio_o = statistics.median(t / o for t, o in zip(times, oracle))
             ratio_d = statistics.median(t / d for t, d in zip(times, default))
             finals = [r[v]["final_batch"] for r in per_rep]
