@@ -324,3 +324,28 @@ def test_mixin_custom_loader_resumes(monkeypatch, tmp_path):
     for _epoch in at.remaining_epochs_until(1):
         got += [x for batch in _ListLoader(list("abcdefghij"), 3) for x in batch]
     assert got == list("abcdefghij")
+
+
+def test_autoscale_loads_the_fit_solver_in_the_background():
+    """Switching autoscale on starts importing scipy.optimize at once, off the training loop's
+    critical path (a fresh interpreter: the test session has imported it long ago)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from adaptrain.torch import AdaptiveDataLoader, _metrics\n"
+        "assert 'scipy.optimize' not in sys.modules, 'imported too early'\n"
+        "ds = torch.utils.data.TensorDataset(torch.zeros(8, 1))\n"
+        "AdaptiveDataLoader(ds, batch_size=4)\n"
+        "assert _metrics._prefetch_thread is None, 'a fixed batch size needs no solver'\n"
+        "AdaptiveDataLoader(ds, batch_size=4).autoscale_batch_size(16)\n"
+        "_metrics._prefetch_thread.join(60)\n"
+        "assert 'scipy.optimize' in sys.modules\n"
+        "assert _metrics.prefetch_fit_solver() is None, 'once per process'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

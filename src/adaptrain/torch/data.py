@@ -390,6 +390,8 @@ class AdaptiveDataLoaderHelper:
         self._max_batch_size = max_batch_size
         self._local_bsz_bounds = local_bsz_bounds
         self._gradient_accumulation = bool(gradient_accumulation)
+        if _world()[1] == 0:  # rank 0 decides: its fit's solver loads off the critical path
+            _metrics.prefetch_fit_solver()
         self.train()
 
     # ----- batch-size decision ------------------------------------------------------------------
