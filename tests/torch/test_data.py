@@ -326,18 +326,30 @@ def test_mixin_custom_loader_resumes(monkeypatch, tmp_path):
     assert got == list("abcdefghij")
 
 
-def test_autoscale_loads_the_fit_solver_in_the_background():
-    """Switching autoscale on starts importing scipy.optimize at once, off the training loop's
-    critical path (a fresh interpreter: the test session has imported it long ago)."""
+def _fresh_interpreter(code: str) -> None:
     import subprocess
     import sys
 
-    code = (
-        "import sys, torch\n"
-        "from adaptrain.torch import AdaptiveDataLoader, _metrics\n"
-        "assert 'scipy.optimize' not in sys.modules, 'imported too early'\n"
-        "ds = torch.utils.data.TensorDataset(torch.zeros(8, 1))\n"
-        "AdaptiveDataLoader(ds, batch_size=4)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# Fresh interpreters: the test session has imported scipy.optimize long ago.
+_SOLVER_SETUP = (
+    "import sys, torch\n"
+    "from adaptrain.torch import AdaptiveDataLoader, _metrics\n"
+    "assert 'scipy.optimize' not in sys.modules, 'imported too early'\n"
+    "ds = torch.utils.data.TensorDataset(torch.zeros(8, 1))\n"
+)
+
+
+def test_autoscale_loads_the_fit_solver_in_the_background():
+    """Switching autoscale on starts importing scipy.optimize at once, off the training loop's
+    critical path."""
+    _fresh_interpreter(
+        _SOLVER_SETUP + "AdaptiveDataLoader(ds, batch_size=4)\n"
         "assert _metrics._prefetch_thread is None, 'a fixed batch size needs no solver'\n"
         "AdaptiveDataLoader(ds, batch_size=4).autoscale_batch_size(16)\n"
         "_metrics._prefetch_thread.join(60)\n"
@@ -345,7 +357,15 @@ def test_autoscale_loads_the_fit_solver_in_the_background():
         "assert _metrics.prefetch_fit_solver() is None, 'once per process'\n"
         "print('ok')\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+
+
+def test_loader_workers_fork_only_after_the_solver_import():
+    """A fork during the background import would leave its module locks held in the worker."""
+    _fresh_interpreter(
+        _SOLVER_SETUP + "loader = AdaptiveDataLoader(ds, batch_size=4, num_workers=1)\n"
+        "loader.autoscale_batch_size(16)\n"
+        "assert _metrics._prefetch_thread.is_alive()\n"
+        "next(iter(loader))\n"
+        "assert not _metrics._prefetch_thread.is_alive()\n"
+        "print('ok')\n"
     )
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -52,6 +52,7 @@ __all__ = [
     "get_goodput_fn",
     "suggest_batch_size",
     "prefetch_fit_solver",
+    "wait_for_solver_prefetch",
 ]
 
 logger = logging.getLogger(__name__)
@@ -304,6 +305,7 @@ def prefetch_fit_solver() -> threading.Thread | None:
     batch-size decision would pay it on the training's critical path, with every replica waiting
     for rank 0's broadcast. Started when autoscaling is switched on, the import overlaps the first
     profiled steps instead; a fit that comes before it finishes waits for the same module lock.
+    The loader waits for it (:func:`wait_for_solver_prefetch`) before forking worker processes.
 
     Returns:
         The thread (None when the module was already imported or a prefetch is under way).
@@ -316,6 +318,18 @@ def prefetch_fit_solver() -> threading.Thread | None:
     )
     _prefetch_thread.start()
     return _prefetch_thread
+
+
+def wait_for_solver_prefetch() -> None:
+    """Block until the import started by :func:`prefetch_fit_solver` has finished.
+
+    Call it before forking processes (data-loader workers): a fork in the middle of an import
+    leaves that module's lock held in the child by a thread the child does not have, and the
+    child would hang if it imported the same module.
+    """
+    thread = _prefetch_thread
+    if thread is not None and thread.is_alive():
+        thread.join()
 
 
 def get_goodput_fn(

@@ -688,6 +688,8 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                         idx = [order[mb.start + rank % mb.size]]
                     locals_.append(idx)
                 self._plan_sampler.batches = locals_
+                if self.num_workers > 0:  # no fork while the solver's import holds its locks
+                    _metrics.wait_for_solver_prefetch()
                 it = super().__iter__()
                 for i, (mb, idx) in enumerate(zip(plan, locals_)):
                     helper._mb = mb
