@@ -369,3 +369,44 @@ def test_loader_workers_fork_only_after_the_solver_import():
         "assert not _metrics._prefetch_thread.is_alive()\n"
         "print('ok')\n"
     )
+
+
+class _Pids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 240
+
+    def __getitem__(self, i: int) -> int:
+        return os.getpid()
+
+
+@pytest.mark.parametrize("persistent", [None, False])
+def test_workers_are_kept_across_batch_size_segments(persistent):
+    """Autoscaling re-decides every 11-50 steps, each time with a new DataLoader iterator; by
+    default the same worker processes serve all of them (explicit False forks anew)."""
+    kwargs = {} if persistent is None else {"persistent_workers": persistent}
+    dl = at.AdaptiveDataLoader(_Pids(), batch_size=2, num_workers=2, **kwargs)
+    dl.autoscale_batch_size(4, local_bsz_bounds=(1, 2))
+    pids = {int(p) for batch in dl for p in batch}
+    if persistent is None:
+        assert len(pids) == 2, pids
+    else:
+        assert len(pids) > 2, pids
+
+
+def test_kept_workers_yield_what_no_workers_yield_after_a_break():
+    """Batches the kept workers prefetched before a ``break`` are dropped, not yielded later."""
+
+    def sequence(num_workers: int) -> list:
+        dl = at.AdaptiveDataLoader(_ids(200), batch_size=2, num_workers=num_workers)
+        dl.autoscale_batch_size(4, local_bsz_bounds=(1, 2))
+        out: list = []
+        for i, (b,) in enumerate(dl):
+            out.append(b.tolist())
+            if i == 15:  # mid-segment: the workers have batches of this iterator in flight
+                break
+        out.append("break")
+        for _ in range(2):
+            out += [b.tolist() for (b,) in dl] + ["pass"]
+        return out
+
+    assert sequence(2) == sequence(0)
