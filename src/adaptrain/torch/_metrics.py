@@ -308,7 +308,8 @@ def prefetch_fit_solver() -> threading.Thread | None:
     The loader waits for it (:func:`wait_for_solver_prefetch`) before forking worker processes.
 
     Returns:
-        The thread (None when the module was already imported or a prefetch is under way).
+        The thread, or None when the module is imported already or a prefetch was started
+        before in this process.
     """
     global _prefetch_thread
     if _prefetch_thread is not None or "scipy.optimize" in sys.modules:
