@@ -407,11 +407,11 @@ def main() -> None:
             "| final batch |"
         )
         print("|---|---|---|---|---|---|")
+        sweep = [v for v in variants if v.startswith("fixed-")]
+        oracle = [min(r[b]["time"] for b in sweep) for r in per_rep]
+        default = [r[f"fixed-{args.b0}"]["time"] for r in per_rep]
         for v in variants:
             times = [r[v]["time"] for r in per_rep]
-            sweep = [v for v in variants if v.startswith("fixed-")]
-            oracle = [min(r[b]["time"] for b in sweep) for r in per_rep]
-            default = [r[f"fixed-{args.b0}"]["time"] for r in per_rep]
             ratio_o = statistics.median(t / o for t, o in zip(times, oracle))
             ratio_d = statistics.median(t / d for t, d in zip(times, default))
             finals = [r[v]["final_batch"] for r in per_rep]

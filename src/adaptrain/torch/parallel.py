@@ -3,8 +3,9 @@
 Drop-in for ``adaptdl.torch.AdaptiveDataParallel``. On top of DDP it
 
 * samples the gradient noise scale (:class:`~adaptrain.torch.gradient_noise_scale.GradientNoiseScale`):
-  every step early in training, then one step in up to 32; the other steps run DDP's own C++
-  all-reduce untouched (no communication hook), so a compression hook can still be registered;
+  every step early in training, then one step in up to 64 (62 at the initial batch size); the
+  other steps run DDP's own C++ all-reduce untouched (no communication hook), so a compression
+  hook can still be registered;
 * scales every param group's ``lr`` by the scaling rule's factor around ``optimizer.step()`` via
   ``optimizer.register_step_pre_hook``/``register_step_post_hook`` (no monkey-patching), then
   restores it and advances the progress by the gain ``r_t``;
