@@ -37,7 +37,17 @@ def main() -> None:
     p.add_argument("--autoscale", type=int, default=0, help="max global batch size (0: off)")
     p.add_argument("--local-max", type=int, default=32, help="max local batch (autoscale)")
     p.add_argument("--grad-accum", action="store_true", help="allow gradient accumulation")
+    p.add_argument(
+        "--poll-period",
+        type=float,
+        default=None,
+        help="seconds between stop polls (0: every step, so a stop lands where it is planned)",
+    )
     args = p.parse_args()
+    if args.poll_period is not None:
+        from adaptrain.dist import signals
+
+        signals.POLL_PERIOD = args.poll_period
     torch.set_num_threads(1)
     torch.manual_seed(0)
 

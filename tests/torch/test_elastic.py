@@ -22,6 +22,9 @@ from adaptrain.dist.spawn import free_port
 SCRIPT = str(Path(__file__).with_name("_elastic_train.py"))
 N_TRAIN, N_EVAL, EPOCHS = 157, 100, 3
 TIMEOUT = 150
+# Stop polls at every step (poll period 0), so that each stop lands in the phase it is planned
+# for; the default period (fast steps poll every few steps) is tested in test_signals.py.
+STOP_AT = ("--poll-period", "0", "--stop-after")
 
 _STRIP = (
     "RANK",
@@ -129,12 +132,12 @@ def test_exactly_once_1_2_3_1_with_signals(tmp_path: Path) -> None:
     ckpt.mkdir()
     out.mkdir()
     # 1 replica, SIGTERM after 5 micro-batches: stops inside epoch 0's training loop.
-    assert run_group(1, ckpt, out, "r1", "--stop-after", "5") == [143]
+    assert run_group(1, ckpt, out, "r1", *STOP_AT, "5") == [143]
     # 2 replicas under torchrun, rank 1 signals itself: stops inside epoch 0's evaluation.
-    rc = run_torchrun(2, ckpt, out, "r2", "--stop-after", "9", "--stop-rank", "1")
+    rc = run_torchrun(2, ckpt, out, "r2", *STOP_AT, "9", "--stop-rank", "1")
     assert rc != 0  # torchrun reports the (deliberately) interrupted workers
     # 3 replicas, rank 2 signals itself: stops inside epoch 1's training loop.
-    assert run_group(3, ckpt, out, "r3", "--stop-after", "8", "--stop-rank", "2") == [143] * 3
+    assert run_group(3, ckpt, out, "r3", *STOP_AT, "8", "--stop-rank", "2") == [143] * 3
     # 1 replica runs to the end.
     assert run_group(1, ckpt, out, "r4") == [0]
 
@@ -164,7 +167,7 @@ def test_exactly_once_with_autoscale_and_accumulation(tmp_path: Path) -> None:
     out.mkdir()
     common = ["--autoscale", "48", "--local-max", "4", "--grad-accum", "--epochs", "2"]
     # 2 replicas: local 3 × 2 micro-batches (global 12); rank 0 is signalled after 4.
-    assert run_group(2, ckpt, out, "a2", *common, "--stop-after", "4") == [143, 143]
+    assert run_group(2, ckpt, out, "a2", *common, *STOP_AT, "4") == [143, 143]
     assert run_group(1, ckpt, out, "a1", *common) == [0]
     rows = _records(out)
     for f in out.glob("a2-rank*.jsonl"):

@@ -18,6 +18,8 @@ SCRIPT = str(Path(__file__).with_name("_elastic_train.py"))
 def _agree(rank: int, world_size: int, signal_rank: int, signal_step: int) -> int:
     signals.reset()
     assert signals.install()
+    period = signals.POLL_PERIOD
+    signals.POLL_PERIOD = 0.0  # every step polls, as with steps slower than the period
     try:
         for step in range(50):
             if rank == signal_rank and step == signal_step:
@@ -27,6 +29,7 @@ def _agree(rank: int, world_size: int, signal_rank: int, signal_step: int) -> in
                 return step * 1000 + agreed
         return -1
     finally:
+        signals.POLL_PERIOD = period
         signals.reset()
 
 
@@ -34,6 +37,47 @@ def test_all_replicas_stop_at_the_same_step() -> None:
     # Rank 2 alone gets SIGTERM at step 4 just before its poll; the flag travels in the
     # allreduce started by that poll and everybody reads it at the poll of step 5.
     assert spawn(_agree, 3, args=(2, 4), timeout=120) == [5000 + signal.SIGTERM] * 3
+
+
+def _agree_fast(rank: int, world_size: int, signal_rank: int, signal_step: int) -> tuple:
+    """2 ms steps: far faster than the poll period, so most steps skip the allreduce."""
+    import time
+
+    signals.reset()
+    assert signals.install()
+    reduces = 0
+    all_reduce = signals.dist.all_reduce
+
+    def counting(*args, **kwargs):
+        nonlocal reduces
+        reduces += 1
+        return all_reduce(*args, **kwargs)
+
+    signals.dist.all_reduce = counting
+    try:
+        for step in range(600):
+            time.sleep(0.002 * (1 + rank))  # replicas of different speeds still agree
+            if rank == signal_rank and step == signal_step:
+                os.kill(os.getpid(), signal.SIGTERM)
+            agreed = signals.poll_stop()
+            if agreed:
+                return step, agreed, reduces
+        return -1, 0, reduces
+    finally:
+        signals.dist.all_reduce = all_reduce
+        signals.reset()
+
+
+def test_fast_steps_poll_every_few_steps_and_all_stop_at_the_same_step() -> None:
+    out = spawn(_agree_fast, 2, args=(1, 100), timeout=120)
+    steps = {step for step, _, _ in out}
+    assert len(steps) == 1, out  # the same step on every replica
+    (stop,) = steps
+    assert all(agreed == signal.SIGTERM for _, agreed, _ in out)
+    # Within two poll intervals (each at most MAX_POLL_STEPS steps) after the signal...
+    assert 100 < stop <= 100 + 2 * signals.MAX_POLL_STEPS + 1, stop
+    # ...and the allreduce ran on a fraction of the steps (every step before this change).
+    assert all(reduces < stop / 3 for _, _, reduces in out), out
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -5,14 +5,21 @@ Protocol (AdaptDL's, made explicit):
 1. :func:`install` (called by ``init_process_group`` and by the data loader, main thread only)
    replaces the SIGINT/SIGTERM handlers. The first signal only records its number; a second
    signal restores the previous handler and re-raises, forcing an immediate exit.
-2. At every optimizer-step boundary the training data loader calls :func:`poll_stop`. It returns
-   the result of the *previous* poll's asynchronous allreduce (max of the replicas' recorded
-   signal numbers) and starts the next one. The allreduce overlaps the step's compute, and since
-   every replica reads the same reduced value at the same step, all of them stop after the same
-   step, even when only one of them got the signal (as when torchrun forwards SIGTERM, or a
-   user presses Ctrl-C on one node). The allreduce is one int64 tensor on a gloo group of its
-   own, launched from the calling thread (gloo's threads carry it; no pickling, no Python
-   thread): AdaptDL's object allreduce per step cost ~0.4 ms of a 3 ms step on 2 CPU cores.
+2. At every optimizer-step boundary the training data loader calls :func:`poll_stop`. A call
+   that *polls* returns the result of the previous poll's asynchronous allreduce (max of the
+   replicas' recorded signal numbers) and starts the next one. The allreduce overlaps the
+   steps' compute, and since every replica reads the same reduced value at the same step, all
+   of them stop after the same step, even when only one of them got the signal (as when
+   torchrun forwards SIGTERM, or a user presses Ctrl-C on one node). The allreduce is one int64
+   tensor on a gloo group of its own, launched from the calling thread (gloo's threads carry
+   it; no pickling, no Python thread): AdaptDL's object allreduce per step cost ~0.4 ms of a
+   3 ms step on 2 CPU cores. Even this one costs 0.3–0.4 ms per step there (thread wake-ups on
+   busy cores, ~12% of a 5 ms step), so with fast steps not every call polls: each poll also
+   carries the number of steps each replica proposes until the next one (about
+   :data:`POLL_PERIOD` seconds of its measured step time, at most :data:`MAX_POLL_STEPS`), and
+   all replicas poll again after the smallest proposal, the same step on every replica. Steps
+   slower than :data:`POLL_PERIOD` poll at every step, as before; a signal is acted on within
+   about two poll periods plus two steps. A single process polls at every step.
 3. :func:`graceful_exit` saves every State once (``save_all_states``: rank 0 writes, then a
    barrier so no replica exits before the checkpoint is complete), destroys the process group and
    leaves with **exit code 143 after SIGTERM, 130 after SIGINT**, on every replica (torchrun
@@ -54,6 +61,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import torch
@@ -63,6 +71,8 @@ from adaptrain.dist import checkpoint, collective
 
 __all__ = [
     "EXIT_MODES",
+    "MAX_POLL_STEPS",
+    "POLL_PERIOD",
     "exit_flag",
     "exit_mode",
     "get_exit_flag",
@@ -77,10 +87,19 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: Target seconds between two polls (the stop allreduce); faster steps poll every few steps.
+POLL_PERIOD = 0.05
+#: Most steps between two polls.
+MAX_POLL_STEPS = 64
+
 _signum = 0  # first signal received by this process, 0 if none
 _previous: dict[int, Any] = {}
-# The poll in flight: (int64 tensor, its all-reduce work or None in a single process).
+# The poll in flight: (int64 tensor [signal, -proposed steps], its all-reduce work or None in a
+# single process).
 _pending: tuple[torch.Tensor, Any] | None = None
+_skip = 0  # calls left before the next poll (agreed by every replica)
+_since = 0  # calls since the last poll
+_last_poll: float | None = None  # perf_counter() of the last poll
 _group: Any = None  # the gloo group of the stop polls, and the default group it was made for
 _group_of: Any = None
 
@@ -133,24 +152,38 @@ def get_exit_flag() -> bool:
 def poll_stop() -> int:
     """Collective, once per step on every replica: the agreed signal number, or 0 to go on.
 
-    Returns what the previous call's asynchronous allreduce (max over replicas) found, and
-    starts the next one unless a stop was agreed.
+    Every call counts a step; a call that polls returns what the previous poll's asynchronous
+    allreduce (max over replicas) found and starts the next one unless a stop was agreed.
+    Between polls (agreed step counts, see the module docstring) calls return 0 at once.
     """
-    global _pending
+    global _pending, _skip, _since, _last_poll
     _disarm()  # still training: a caught SystemExit must not end the process later
-    agreed = 0
+    _since += 1
+    if _skip > 0 and _pending is not None:
+        _skip -= 1
+        return 0
+    agreed, steps = 0, 1
     if _pending is not None:
         flag, work = _pending
         if work is not None:
             work.wait()
-        agreed = int(flag[0])
+        agreed, steps = int(flag[0]), max(-int(flag[1]), 1)
     _pending = None
+    now = time.perf_counter()
     if not agreed:
-        flag = torch.tensor([_signum], dtype=torch.int64)
+        distributed = collective.is_distributed()
+        proposal = 1
+        if distributed and _last_poll is not None:
+            per_step = (now - _last_poll) / max(_since, 1)
+            proposal = int(POLL_PERIOD / per_step) if per_step > 0 else MAX_POLL_STEPS
+            proposal = min(max(proposal, 1), MAX_POLL_STEPS)
+        flag = torch.tensor([_signum, -proposal], dtype=torch.int64)
         work = None
-        if collective.is_distributed():
+        if distributed:
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_stop_group(), async_op=True)
         _pending = (flag, work)
+        _skip = steps - 1
+    _since, _last_poll = 0, now
     return agreed
 
 
@@ -283,7 +316,7 @@ def uninstall() -> None:
 
 def reset() -> None:
     """Forget a received signal and any pending poll, and uninstall (tests, in-process restarts)."""
-    global _signum, _pending, _group, _group_of
+    global _signum, _pending, _group, _group_of, _skip, _since, _last_poll
     if _pending is not None and _pending[1] is not None:
         try:
             _pending[1].wait()
@@ -291,6 +324,8 @@ def reset() -> None:
             pass
     _signum = 0
     _pending = None
+    _skip = _since = 0
+    _last_poll = None
     _group = _group_of = None
     _disarm()
     uninstall()

@@ -27,8 +27,10 @@ optimizer steps (default 50): rank 0 asks
 ``_metrics.suggest_batch_size`` (which switches only for a ≥ 5% predicted goodput gain) and
 broadcasts the answer; nothing is decided mid-step, so accumulation cycles are never cut.
 
-Stopping: at every optimizer-step boundary all replicas poll :func:`adaptrain.dist.signals.poll_stop`;
-on an agreed SIGINT/SIGTERM the loader checkpoints every State and exits (code 143/130).
+Stopping: at every optimizer-step boundary all replicas call :func:`adaptrain.dist.signals.poll_stop`
+(its all-reduce runs every step, or every few steps when steps are faster than
+``signals.POLL_PERIOD``); on an agreed SIGINT/SIGTERM the loader checkpoints every State and exits
+(code 143/130).
 """
 
 from __future__ import annotations
