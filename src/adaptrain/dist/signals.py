@@ -159,7 +159,7 @@ def poll_stop() -> int:
     global _pending, _skip, _since, _last_poll
     _disarm()  # still training: a caught SystemExit must not end the process later
     _since += 1
-    if _skip > 0 and _pending is not None:
+    if _skip > 0:  # only ever set with a poll in flight
         _skip -= 1
         return 0
     agreed, steps = 0, 1
