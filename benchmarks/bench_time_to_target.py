@@ -4,9 +4,13 @@ For each task, 2 gloo replicas train until a validation target is reached; the f
 *training* wall time (evaluation pauses the clock), median over repetitions:
 
 * ``fixed-B``: plain ``DistributedDataParallel`` at global batch ``B`` with the learning rate
-  scaled linearly from the base (``lr0 · B / B0``, ``B0 = 32`` unless ``--b0``); the **oracle** is the fastest
-  member of the sweep in the same repetition, the **default** is ``B = B0`` (what a user who does
-  not tune the batch size runs).
+  scaled linearly from the base (``lr0 · B / B0``, ``B0 = 32`` unless ``--b0``); the **oracle** is the
+  member of the sweep with the lowest median time (the batch size tuning would pick), the
+  **default** is ``B = B0`` (what a user who does not tune the batch size runs). The table also
+  gives each variant's ratio to the fastest sweep member *of each repetition*; that minimum over
+  several noisy runs is biased low by the run-to-run scatter (the oracle's own ratio to it shows
+  by how much), so it is the stricter and less stable reference. Until session 9 it was the
+  oracle.
 * ``adaptrain``: ``adaptrain.torch`` with ``autoscale_batch_size`` (initial batch ``B0``, gradient
   accumulation allowed), the scaling rule AdaptiveDataParallel picks (AdamScale for Adam,
   AdaScale for SGD, as AdaptDL 0.2.11); ``adaptrain-adascale`` (Adam tasks): the same with
@@ -402,26 +406,32 @@ def main() -> None:
             per_rep.append(res)
         unit = "bits/char ≤" if task == "charlm" else "accuracy ≥"
         print(f"\n### {task}: training seconds to {unit} {target} (median of {args.reps})")
-        print(
-            f"| variant | time (s) | / oracle | / default (fixed-{args.b0}) | median steps "
-            "| final batch |"
-        )
-        print("|---|---|---|---|---|---|")
         sweep = [v for v in variants if v.startswith("fixed-")]
-        oracle = [min(r[b]["time"] for b in sweep) for r in per_rep]
+        # The oracle is the sweep member with the lowest median time (what tuning would pick);
+        # the fastest member of each repetition is also shown, but that minimum over several
+        # noisy runs is biased low by the run-to-run scatter (see the oracle's own ratio to it).
+        oracle_v = min(sweep, key=lambda b: statistics.median(r[b]["time"] for r in per_rep))
+        oracle = [r[oracle_v]["time"] for r in per_rep]
+        best_each = [min(r[b]["time"] for b in sweep) for r in per_rep]
         default = [r[f"fixed-{args.b0}"]["time"] for r in per_rep]
+        print(
+            f"| variant | time (s) | / oracle ({oracle_v}) | / fastest of each repetition "
+            f"| / default (fixed-{args.b0}) | median steps | final batch |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for v in variants:
             times = [r[v]["time"] for r in per_rep]
             ratio_o = statistics.median(t / o for t, o in zip(times, oracle))
+            ratio_b = statistics.median(t / o for t, o in zip(times, best_each))
             ratio_d = statistics.median(t / d for t, d in zip(times, default))
             finals = [r[v]["final_batch"] for r in per_rep]
             steps = statistics.median(r[v]["steps"] for r in per_rep)
             print(
-                f"| {v} | {_fmt(statistics.median(times))} | {ratio_o:.2f} | {ratio_d:.2f} | "
-                f"{steps:.0f} | {'/'.join(map(str, finals))} |"
+                f"| {v} | {_fmt(statistics.median(times))} | {ratio_o:.2f} | {ratio_b:.2f} | "
+                f"{ratio_d:.2f} | {steps:.0f} | {'/'.join(map(str, finals))} |"
             )
         best = [min(sweep, key=lambda b, r=r: r[b]["time"]) for r in per_rep]
-        print(f"oracle batch size per repetition: {best}\n", flush=True)
+        print(f"fastest fixed batch per repetition: {best}\n", flush=True)
 
 
 if __name__ == "__main__":

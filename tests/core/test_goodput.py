@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 import scipy.optimize
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from adaptrain.core import goodput as G
@@ -427,6 +427,66 @@ def test_fit_priors_with_few_observations():
     assert fit.alpha_c + 16 * fit.beta_c == pytest.approx(0.1, rel=1e-3)
     assert fit.alpha_c + 64 * fit.beta_c == pytest.approx(0.3, rel=1e-3)
     assert isinstance(fit, PerfParams) and all(isinstance(v, float) for v in fit)
+
+
+@settings(max_examples=15)
+@given(
+    replicas=st.integers(2, 8),
+    bsz=st.integers(1, 512),
+    t_accum=st.floats(1e-4, 1.0),
+    net_ratio=st.floats(0.0, 3.0),
+)
+@example(replicas=2, bsz=1, t_accum=0.0078125, net_ratio=0.0)  # no network time: the search
+@example(replicas=3, bsz=64, t_accum=1e-4, net_ratio=1e-3)  # 0.1 µs: the priors matter
+def test_single_configuration_closed_form_is_the_search_minimum(replicas, bsz, t_accum, net_ratio):
+    """One single-node configuration with ≥ 2 replicas: the closed form fits both times exactly
+    and reaches an objective no higher than the iterative search's, with the same predictions."""
+    args = ([1], [replicas], [bsz], [t_accum], [t_accum * (1.0 + net_ratio)])
+    closed = fit_perf_params(*args)
+    fn = GoodputFunction(closed, GRAD, bsz)
+    if G._single_configuration_fit(*(np.array(v, float) for v in args)) is not None:
+        assert closed.gamma == 1.0 and closed.alpha_c == pytest.approx(t_accum / 2)
+        assert float(fn.throughput(1, replicas, bsz, 0)) == pytest.approx(
+            replicas * bsz / args[4][0], rel=1e-6
+        )
+    else:  # a network time of ≲ 20 µs: the search, whose priors move it off the exact fit
+        assert t_accum * net_ratio < 1e-4
+    with pytest.MonkeyPatch.context() as m:  # the iterative search on the same data
+        m.setattr(G, "_single_configuration_fit", lambda *a: None)
+        searched = fit_perf_params(*args)
+    data = G._FitProblem(
+        np.array([bsz], float),
+        np.maximum(np.array([replicas - 2.0]), 1e-8),
+        np.array([False]),
+        np.array([True]),
+        np.log(args[3]),
+        np.log(args[4]),
+    )
+    assert (
+        G._objective(np.array(closed), data)[0] <= G._objective(np.array(searched), data)[0] + 1e-9
+    )
+    fn_s = GoodputFunction(searched, GRAD, bsz)
+    sizes = np.array([1, bsz, 4 * bsz])  # the search stops within its tolerance of the floor
+    np.testing.assert_allclose(
+        fn.throughput(1, replicas, sizes, 0), fn_s.throughput(1, replicas, sizes, 0), rtol=1e-2
+    )
+
+
+def test_single_configuration_closed_form_only_where_exact():
+    # One replica (no network term to absorb T_optim − T_accum), two configurations, or a
+    # multi-node one: the search runs (the closed form returns None).
+    one = [np.array([v], float) for v in (1, 1, 32, 0.1, 0.12)]
+    assert G._single_configuration_fit(*one) is None
+    multi = [np.array([v], float) for v in (2, 4, 32, 0.1, 0.2)]
+    assert G._single_configuration_fit(*multi) is None
+    two = [np.array(v, float) for v in ([1, 1], [2, 2], [16, 32], [0.1, 0.15], [0.12, 0.2])]
+    assert G._single_configuration_fit(*two) is None
+    slower = [np.array([v], float) for v in (1, 2, 32, 0.1, 0.09)]  # T_optim < T_accum
+    assert G._single_configuration_fit(*slower) is None
+    no_net = [np.array([v], float) for v in (1, 2, 32, 0.1, 0.1)]  # the priors move the minimum
+    assert G._single_configuration_fit(*no_net) is None
+    real = [np.array([v], float) for v in (1, 2, 4, 0.004, 0.0045)]  # a 0.5 ms all-reduce
+    assert G._single_configuration_fit(*real) is not None
 
 
 def test_objective_gradient_matches_finite_differences():

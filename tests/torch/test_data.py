@@ -192,6 +192,42 @@ def test_decisions_come_soon_after_a_change_then_at_doubling_intervals(monkeypat
     assert gaps[:6] == [first, first, 2 * first, 4 * first, 50, 50]
 
 
+def test_a_segment_goes_on_across_passes(monkeypatch):
+    """Passes shorter than a segment (a small dataset at a large batch) do not each trigger a
+    decision: the rest of the segment carries into the next pass, so decisions keep the same
+    step gaps as in one long pass; a loop left early decides afresh at the next pass."""
+    from adaptrain.torch import _metrics
+
+    steps_at_call = []
+    seen = {"steps": 0}
+
+    def suggest(num_nodes, num_replicas, atomic, accum, min_improvement=0.05):
+        steps_at_call.append(seen["steps"])
+        return None
+
+    monkeypatch.setattr(_metrics, "suggest_batch_size", suggest)
+    dl = at.AdaptiveDataLoader(_ids(4 * 7), batch_size=4)  # 7 optimizer steps per pass
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32))
+    first = _metrics.MIN_SAMPLES + 1
+    for _epoch in at.remaining_epochs_until(30):
+        for (_x,) in dl:
+            seen["steps"] += 1
+    gaps = [b - a for a, b in zip(steps_at_call, steps_at_call[1:])]
+    assert steps_at_call[0] == 0
+    assert gaps[:5] == [first, 2 * first, 4 * first, 50, 50]
+    assert seen["steps"] == 30 * 7
+    # The last full pass left 17 steps of its segment (decided at step 177, 50 steps long):
+    # the next loop takes them without deciding. Leaving that loop early drops the rest, so
+    # the loop after it decides at its start.
+    calls = len(steps_at_call)
+    for (_x,) in dl:
+        break
+    assert len(steps_at_call) == calls
+    for (_x,) in dl:
+        pass
+    assert len(steps_at_call) == calls + 1
+
+
 # ----- three replicas ----------------------------------------------------------------------------
 def _three(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)

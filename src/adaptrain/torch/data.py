@@ -20,11 +20,12 @@ training loader, iterated with gradients disabled) never pads: those replicas yi
 
 Epochs with adaptive batch size end after **one pass over the dataset** (not after "one
 dataset's worth of statistical progress" as AdaptDL does): simpler, and exactly-once holds
-per epoch. The batch size is decided at the start of each pass and re-decided when autoscaling:
-soon after each change (once the new configuration has been profiled for
-``_metrics.MIN_SAMPLES`` steps), then at doubling intervals up to every ``reoptimize_every``
-optimizer steps (default 50): rank 0 asks
-``_metrics.suggest_batch_size`` (which switches only for a ≥ 5% predicted goodput gain) and
+per epoch. The batch size is set at the start of each pass; when autoscaling it is decided at
+the start of each *segment* of optimizer steps instead: soon after each change (once the new
+configuration has been profiled for ``_metrics.MIN_SAMPLES`` steps), then at doubling intervals
+up to every ``reoptimize_every`` optimizer steps (default 50). A segment that a pass ends early
+goes on in the next pass (a small dataset at a large batch would otherwise re-decide every few
+steps). Rank 0 asks ``_metrics.suggest_batch_size`` (which switches only for a ≥ 5% predicted goodput gain) and
 broadcasts the answer; nothing is decided mid-step, so accumulation cycles are never cut.
 
 Stopping: at every optimizer-step boundary all replicas call :func:`adaptrain.dist.signals.poll_stop`
@@ -260,6 +261,8 @@ class AdaptiveDataLoaderHelper:
         self.reoptimize_every = 50
         self._segment: int | None = None  # optimizer steps of the current segment
         self._segment_decision: tuple[int, int, int] | None = None
+        # Optimizer steps left in the segment a finished pass cut short (None: decide anew).
+        self._segment_left: int | None = None
         self._state = _AdaptiveDataLoaderState()
         checkpoint.load_state(self._state)
         self._accum_count = 0
@@ -460,6 +463,20 @@ class AdaptiveDataLoaderHelper:
             self._segment *= 2
         self._segment_decision = decision
         return max(1, min(self._segment, int(self.reoptimize_every)))
+
+    def _carried_segment(self, num_replicas: int) -> tuple[int, int, int] | None:
+        """``(local_bsz, accum_steps, steps)`` of the segment a pass cut short, if it goes on.
+
+        A pass over a small dataset at a large batch holds only a few optimizer steps; deciding
+        again at each pass would refit the step-time model every few steps. The rest of the
+        segment carries into the next pass instead, unless the replica count changed. Every
+        replica computes the same plans, so all skip the (collective) decision together.
+        """
+        left, s = self._segment_left, self._state
+        self._segment_left = None
+        if not left or left < 1 or not s.local_bsz or s.num_replicas != num_replicas:
+            return None
+        return s.local_bsz, s.accum_steps, left
 
     # ----- loop protocol ------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -674,11 +691,15 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
             pad = helper.training or torch.is_grad_enabled()
             while helper._state.current_index < n:
                 num_replicas, rank = _world()
-                local_bsz, accum = helper._decide()
+                carried = helper._carried_segment(num_replicas)
+                if carried is not None:
+                    local_bsz, accum, max_steps = carried
+                else:
+                    local_bsz, accum = helper._decide()
+                    max_steps = helper._segment_steps(num_replicas, local_bsz, accum)
                 start = helper._state.current_index
                 self.sampler.set_epoch(epoch, start)
                 order = self.sampler.order()
-                max_steps = helper._segment_steps(num_replicas, local_bsz, accum)
                 plan = plan_pass(
                     start, n, local_bsz, accum, num_replicas, self._elastic_drop_last, max_steps
                 )
@@ -712,3 +733,5 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                         helper._state.current_index = mb.start + mb.size
                 helper._mb = None
                 del it
+                if max_steps is not None:  # a pass that ended mid-segment hands on the rest
+                    helper._segment_left = max_steps - sum(mb.first for mb in plan)
