@@ -62,7 +62,10 @@ MIN_SAMPLES = 10
 #: Largest factor of one move (total batch, and micro-batch beyond the largest profiled one).
 MAX_STEP = 2.0
 #: Exploration tries the bounded step up if predicted ≥ (1 − this) × the current goodput.
-EXPLORE_TOLERANCE = 0.1
+#: With the one-size prior (half of a step is fixed cost) a 2× step is predicted at ≥ 2/3 of the
+#: current goodput even without gradient noise, so at 0.5 a job that may grow always measures a
+#: second size (11 steps; on a 2-core host a 2× batch often costs ~1.1×, not the prior's 1.5×).
+EXPLORE_TOLERANCE = 0.5
 #: Extra predicted gain needed to return to the configuration the job just left.
 UNDO_MARGIN = 0.1
 #: New optimizer steps of the fitted configurations that trigger a refit.
