@@ -37,7 +37,9 @@ variants run back to back in a rotating order, then the median over repetitions 
     python benchmarks/bench_time_to_target.py --tasks charlm --b0 8 --lr0 3e-3  # small default
 
 ``--variants`` also takes ``fixed-B@LR``: batch ``B`` at the absolute learning rate ``LR`` (a
-point tuned by hand); it joins the sweep, so the oracle is the best of both.
+point tuned by hand); it joins the sweep, so the oracle is the best of both. And
+``adaptrain-explore-T``: autoscale with the exploration tolerance ``T`` of
+``_metrics.suggest_batch_size`` (default 0.5; 0.1 until session 10).
 ``--b0`` changes the user's default batch (autoscale's initial batch and the base of the linear
 rule); the sweep keeps its multiples of it (``--sweep`` overrides) and the smallest local batch
 autoscale may use is lowered to ``B0 / 2`` when needed.
@@ -173,6 +175,11 @@ def _run(
             decisions.setLevel(logging.INFO)
 
         adl.init_process_group("gloo")
+        if variant.startswith("adaptrain-explore-"):  # the loader with another tolerance
+            from adaptrain.torch import _metrics
+
+            tolerance = float(variant.rsplit("-", 1)[1])
+            _metrics.suggest_batch_size.__kwdefaults__["explore_tolerance"] = tolerance
     else:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
@@ -364,7 +371,11 @@ def main() -> None:
         if with_adaptdl:
             variants.append("adaptdl")
         if args.variants:
-            extra = [v for v in args.variants if "@" in v and v.startswith("fixed-")]
+            extra = [
+                v
+                for v in args.variants
+                if ("@" in v and v.startswith("fixed-")) or v.startswith("adaptrain-explore-")
+            ]
             variants = [v for v in variants if v in args.variants or v == f"fixed-{args.b0}"]
             variants = [*[v for v in variants if v.startswith("fixed-")], *extra] + [
                 v for v in variants if not v.startswith("fixed-")
