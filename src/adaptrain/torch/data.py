@@ -25,13 +25,14 @@ the start of each *segment* of optimizer steps instead: soon after each change (
 configuration has been profiled for ``_metrics.MIN_SAMPLES`` steps), then at doubling intervals
 up to every ``reoptimize_every`` optimizer steps (default 50). A segment that a pass ends early
 goes on in the next pass (a small dataset at a large batch would otherwise re-decide every few
-steps). Rank 0 asks ``_metrics.suggest_batch_size`` (which switches only for a ≥ 5% predicted goodput gain) and
-broadcasts the answer; nothing is decided mid-step, so accumulation cycles are never cut.
+steps). Rank 0 asks ``_metrics.suggest_batch_size`` (which switches only for a ≥ 5% predicted
+goodput gain) and broadcasts the answer; nothing is decided mid-step, so accumulation cycles are
+never cut.
 
-Stopping: at every optimizer-step boundary all replicas call :func:`adaptrain.dist.signals.poll_stop`
-(its all-reduce runs every step, or every few steps when steps are faster than
-``signals.POLL_PERIOD``); on an agreed SIGINT/SIGTERM the loader checkpoints every State and exits
-(code 143/130).
+Stopping: at every optimizer-step boundary all replicas call
+:func:`adaptrain.dist.signals.poll_stop` (its all-reduce runs every step, or every few steps when
+steps are faster than ``signals.POLL_PERIOD``); on an agreed SIGINT/SIGTERM the loader
+checkpoints every State and exits (code 143/130).
 """
 
 from __future__ import annotations
@@ -474,7 +475,7 @@ class AdaptiveDataLoaderHelper:
         """
         left, s = self._segment_left, self._state
         self._segment_left = None
-        if not left or left < 1 or not s.local_bsz or s.num_replicas != num_replicas:
+        if left is None or left < 1 or not s.local_bsz or s.num_replicas != num_replicas:
             return None
         return s.local_bsz, s.accum_steps, left
 
