@@ -251,3 +251,68 @@ def test_bad_input():
         _metrics.suggest_batch_size(1, 2, 16, 1, max_step=1.0)
     with pytest.raises(ValueError, match="explore_tolerance"):
         _metrics.suggest_batch_size(1, 2, 16, 1, explore_tolerance=1.0)
+
+
+def _fitted_params():
+    _metrics.set_batch_size(32, 1024, (8, 128), True)
+    _metrics.update_grad_params(1e-3, 1.0)
+    return _metrics.get_goodput_fn().perf_params
+
+
+def test_a_stall_does_not_reach_the_fit():
+    """One step stalled 40x (a full GC pause, or waiting for a replica that had one) among the
+    steps of a configuration leaves the fit as it is without it; the plain mean would not."""
+    _synthetic_profile()
+    clean = _fitted_params()
+    clean_rows = {k: _metrics._step_times(k, r) for k, r in _metrics._state().profile.items()}
+    checkpoint.reset()
+    fn = GoodputFunction(TRUE, (1.0, 1.0), 32)
+    for r in (1, 2, 4):
+        for b in (8, 16, 32, 64):
+            t_accum = TRUE.alpha_c + TRUE.beta_c * b
+            t_optim = r * b / fn.throughput(1, r, b, 0)
+            for k in range(_metrics.MIN_SAMPLES):
+                _metrics._record(1, r, b, t_accum, accumulation_step=True)
+                stall = 40 * t_optim if (r, b, k) in {(2, 32, 3), (4, 16, 0)} else 0.0
+                _metrics._record(
+                    1, r, b, t_optim + stall, False, sync_time=t_optim - t_accum + stall
+                )
+    rec = _metrics._state().profile[1, 2, 32]
+    plain = rec["optim_step_time"] / rec["optim_count"]
+    assert plain > 4 * clean_rows[1, 2, 32][1]  # what the plain mean would have fitted
+    for key, times in clean_rows.items():
+        got = _metrics._step_times(key, _metrics._state().profile[key])
+        assert got == pytest.approx(times, rel=1e-12), key
+    for a, b in zip(clean, _fitted_params()):
+        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (clean, a, b)
+
+
+def test_ordinary_jitter_stays_in_the_mean():
+    """Steps within STALL_FACTOR x the median are kept: the estimate is a mean, not a median."""
+    times = [0.010, 0.010, 0.010, 0.010, 0.025, 0.029]  # up to 2.9x the median (0.010): kept
+    for t in times:
+        _metrics._record(1, 2, 16, t, False)
+    _metrics._record(1, 2, 16, 0.2, False)  # 20x the median: dropped
+    rec = _metrics._state().profile[1, 2, 16]
+    _, optim = _metrics._step_times((1, 2, 16), rec)
+    assert optim == pytest.approx(sum(times) / len(times))
+
+
+def test_recent_steps_are_bounded_and_round_trip_through_a_checkpoint():
+    for k in range(3 * _metrics.RECENT_STEPS):
+        _metrics._record(1, 2, 16, 0.01 + 1e-5 * k, k % 2 == 0, sync_time=0.002)
+    optim, accum = _metrics._state().recent[1, 2, 16]
+    assert len(optim) == len(accum) == _metrics.RECENT_STEPS
+    assert optim[-1][0] == pytest.approx(0.01 + 1e-5 * (3 * _metrics.RECENT_STEPS - 1))
+    saved = _metrics._state().to_dict()
+    want = _metrics._step_times((1, 2, 16), _metrics._state().profile[1, 2, 16])
+    checkpoint.reset()
+    _metrics._state().from_dict(saved)
+    assert _metrics._state().to_dict() == saved
+    assert _metrics._step_times((1, 2, 16), _metrics._state().profile[1, 2, 16]) == want
+    # a checkpoint of an earlier version (no recent steps) falls back to the plain means
+    checkpoint.reset()
+    _metrics._state().from_dict({k: v for k, v in saved.items() if k != "recent"})
+    rec = _metrics._state().profile[1, 2, 16]
+    _, optim_mean = _metrics._step_times((1, 2, 16), rec)
+    assert optim_mean == pytest.approx(rec["optim_step_time"] / rec["optim_count"])
