@@ -313,3 +313,20 @@ def test_recent_steps_are_bounded_and_round_trip_through_a_checkpoint():
     rec = _metrics._state().profile[1, 2, 16]
     _, optim_mean = _metrics._step_times((1, 2, 16), rec)
     assert optim_mean == pytest.approx(rec["optim_step_time"] / rec["optim_count"])
+
+
+def test_a_stalled_sync_sample_stays_out_of_the_fallback_mean():
+    """Late in training one step in ~62 measures the sync time, so the recent steps may keep
+    none once a stall is dropped; the fit then falls back to the running mean of the measured
+    sync times, which must not hold the stall's wait (it would leave no compute time)."""
+    key = (1, 2, 16)
+    for k in range(100):
+        _metrics._record(*key, 0.010, False, sync_time=0.002 if k % 10 == 0 else None)
+    for _ in range(_metrics.RECENT_STEPS - 1):
+        _metrics._record(*key, 0.010, False)
+    _metrics._record(*key, 0.300, False, sync_time=0.290)  # waited for a stalled replica
+    rec = _metrics._state().profile[key]
+    assert rec["optim_sync_count"] == 10  # the stall's wait is not in the running mean
+    compute, optim = _metrics._step_times(key, rec)
+    assert optim == pytest.approx(0.010)
+    assert compute == pytest.approx(0.008)

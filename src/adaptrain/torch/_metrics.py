@@ -28,8 +28,10 @@ Python's garbage collector (~0.2 s in a process that has imported torch and scip
 steps), the host preempting a replica, or waiting for a replica that was. With the plain mean,
 one such pause among the 10 steps that decide whether a new size pays reads as a 40% slower
 step, and the job falls back from a size it had just measured (seen on digits: batch 28 → 17).
-Steps of ordinary jitter stay in, so the estimate remains a mean, not a median. Configurations
-restored from checkpoints of earlier versions (no recent steps) use the plain means.
+Steps of ordinary jitter stay in, so the estimate remains a mean, not a median. The sync time
+(measured on sampled steps only) falls back to its running mean when the recent steps keep no
+measured one; a stall's wait is left out of that mean too. Configurations restored from
+checkpoints of earlier versions (no recent steps) use the plain means.
 
 Everything is checkpointed as the State ``"adaptdl-metrics"`` (JSON: numbers only).
 """
@@ -278,8 +280,11 @@ def _record(
         sync = -1.0
         if sync_time is not None:  # measured on this step
             sync = min(sync_time, step_time)
-            rec["optim_sync_time"] += sync
-            rec["optim_sync_count"] += 1
+            # The running mean is the fit's fallback when the recent steps keep no sync time:
+            # a stall's wait (measured after a few steps, on sampled steps only) stays out.
+            if len(optim) < 5 or step_time <= STALL_FACTOR * _median(x[0] for x in optim):
+                rec["optim_sync_time"] += sync
+                rec["optim_sync_count"] += 1
         rec["optim_count"] += 1
         optim.append((step_time, sync))
 
@@ -319,6 +324,13 @@ def _fit_perf_params(min_samples: int = 1) -> None:
     s.fit_keys = tuple(k for k, _ in rows)
     s.fit_total = int(sum(r["optim_count"] for _, r in rows))
     s.fit_min_samples = int(min_samples)
+
+
+def _median(values: Any) -> float:
+    """Median of an iterable of numbers (pure Python: ~2 µs for 64 values, no array built)."""
+    ordered = sorted(values)
+    n = len(ordered)
+    return 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
 
 
 def _stall_free_mean(times: np.ndarray) -> tuple[float, np.ndarray]:
