@@ -42,6 +42,7 @@ import importlib
 import json
 import logging
 import math
+import statistics
 import sys
 import threading
 import time
@@ -282,7 +283,7 @@ def _record(
             sync = min(sync_time, step_time)
             # The running mean is the fit's fallback when the recent steps keep no sync time:
             # a stall's wait (measured after a few steps, on sampled steps only) stays out.
-            if len(optim) < 5 or step_time <= STALL_FACTOR * _median(x[0] for x in optim):
+            if len(optim) < 5 or step_time <= STALL_FACTOR * statistics.median(x[0] for x in optim):
                 rec["optim_sync_time"] += sync
                 rec["optim_sync_count"] += 1
         rec["optim_count"] += 1
@@ -324,13 +325,6 @@ def _fit_perf_params(min_samples: int = 1) -> None:
     s.fit_keys = tuple(k for k, _ in rows)
     s.fit_total = int(sum(r["optim_count"] for _, r in rows))
     s.fit_min_samples = int(min_samples)
-
-
-def _median(values: Any) -> float:
-    """Median of an iterable of numbers (pure Python: ~2 µs for 64 values, no array built)."""
-    ordered = sorted(values)
-    n = len(ordered)
-    return 0.5 * (ordered[(n - 1) // 2] + ordered[n // 2])
 
 
 def _stall_free_mean(times: np.ndarray) -> tuple[float, np.ndarray]:
