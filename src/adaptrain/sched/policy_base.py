@@ -36,6 +36,10 @@ class JobInfo:
     (remaining epochs x examples, over its modelled one-GPU goodput), ``None`` if unknown.
     ``max_profiled_replicas`` is the largest replica count the job has run on (0 if unknown):
     its speedup beyond that size is an extrapolation of its goodput model.
+    ``replica_limit`` is the most replicas the job may ever get (its own and the cluster's
+    limit), ``None`` if that is ``max_replicas``. A ``max_replicas`` below it is the scheduler's
+    exploration cap (AdaptDL's rule: at most twice the largest size the job has run on), which
+    lifts as the job grows.
     """
 
     creation_timestamp: float
@@ -50,6 +54,7 @@ class JobInfo:
     remaining_steps: float = 1.0
     remaining_work: float | None = None
     max_profiled_replicas: int = 0
+    replica_limit: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,11 @@ class JobInfo:
         if self.max_profiled_replicas < 0:
             raise ValueError(
                 f"max_profiled_replicas={self.max_profiled_replicas} must be >= 0 (0: unknown)"
+            )
+        if self.replica_limit is not None and self.replica_limit < self.max_replicas:
+            raise ValueError(
+                f"replica_limit={self.replica_limit} must be >= max_replicas={self.max_replicas} "
+                "(or None: max_replicas is the limit)"
             )
 
 

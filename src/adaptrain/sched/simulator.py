@@ -361,13 +361,13 @@ class Simulator:
                 step_time_fn=job.step_time_fn(),
                 remaining_steps=job.remaining_steps(),
             )
-        max_replicas = min(
-            max(2 * job.max_profiled_replicas, 1),
-            self.num_nodes * self.gpus_per_node,
-            job.app.max_batch_size // job.app.min_local_bsz,
+        limit = min(
+            self.num_nodes * self.gpus_per_node, job.app.max_batch_size // job.app.min_local_bsz
         )
         if job.app.name == "ncf":
-            max_replicas = 1
+            limit = 1
+        # the exploration cap: at most twice the largest size the job has run on
+        max_replicas = min(max(2 * job.max_profiled_replicas, 1), limit)
         return JobInfo(
             creation_timestamp=job.submission_time,
             attained_service=job.attained_service,
@@ -375,6 +375,7 @@ class Simulator:
             speedup_fn=job.speedup_fn(),
             remaining_work=job.remaining_work(),
             max_profiled_replicas=job.max_profiled_replicas,
+            replica_limit=limit,
             num_restarts=job.num_restarts or 0,
             age=self.current_time - job.submission_time,
             extra={"application": job.app.name, "epoch": job.epoch},
