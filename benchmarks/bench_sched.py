@@ -10,7 +10,8 @@ and the wall time of the whole simulation. All figures of one table come from on
 
 Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
 beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
-same-run reference for what that exploration brings.
+same-run reference for what that exploration brings; ``waterfill-noramp`` likewise turns off the
+ramp credit (``WaterfillPolicy(ramp_credit=None)``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from adaptrain.sched.traces import default_traces_dir, load_applications, load_w
 
 VARIANTS = {
     "waterfill-noexplore": lambda: WaterfillPolicy(explore_beta=None),
+    # without the credit for the ramp a capped job's next step unlocks (session 12)
+    "waterfill-noramp": lambda: WaterfillPolicy(ramp_credit=None),
     # three independent genetic refinements per round, the fittest kept (about 3x the time)
     "waterfill-3runs": lambda: WaterfillPolicy(genetic_runs=3),
 }

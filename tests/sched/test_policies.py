@@ -64,6 +64,8 @@ def cluster_and_jobs(draw):
             # a known remaining work and a smaller tried size switch waterfill's exploration on
             remaining_work=draw(st.none() | st.floats(0, 1e6)),
             max_profiled_replicas=draw(st.integers(0, max_r)),
+            # a limit above max_replicas makes max_replicas an exploration cap: ramp credit
+            replica_limit=draw(st.none() | st.integers(max_r, 24)),
         )
     # a random (valid) current allocation: fill nodes in order
     base = {}

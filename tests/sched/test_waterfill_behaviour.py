@@ -11,6 +11,7 @@ from adaptrain.sched import (
     JobInfo,
     LinearSpeedup,
     NodeInfo,
+    RampSpeedup,
     WaterfillPolicy,
     check_allocations,
 )
@@ -385,3 +386,102 @@ def test_placement_never_shrinks_a_job_below_its_minimum(search):
     }
     alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, {"j1": [0]}, 0.0)
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
+
+
+def _power(a: float, c: float = 1.0):
+    def fn(n, r):
+        r = np.asarray(r, dtype=float)
+        return np.where(r > 0, c * r**a, 0.0)
+
+    return fn
+
+
+def test_ramp_speedup_is_the_model_up_to_the_tried_size_and_credited_to_the_cap():
+    fn = RampSpeedup(_dip, max_profiled_replicas=2, cap=4, bonus=1.5)
+    r = np.arange(1, 9)
+    n = np.ceil(r / 4)
+    got, model = fn(n, r), _dip(n, r)
+    np.testing.assert_array_equal(got[:2], model[:2])
+    assert got[2] == pytest.approx(model[2] + 0.75)  # halfway from the tried size to the cap
+    np.testing.assert_allclose(got[3:], model[3:] + 1.5)
+    assert isinstance(fn(1, 4), float) and fn(1, 4) == pytest.approx(got[3])
+    for bad in ({"max_profiled_replicas": 0, "cap": 2}, {"max_profiled_replicas": 4, "cap": 4}):
+        with pytest.raises(ValueError, match="ramp"):
+            RampSpeedup(_dip, bonus=1.0, **bad)
+    with pytest.raises(ValueError, match="bonus"):
+        RampSpeedup(_dip, 1, 2, bonus=-1.0)
+
+
+def _ramp_case(donor_fn, donor_work: float, donor_age: float, donor_restarts: int, **young):
+    """Two 4-GPU nodes: a donor on 7 GPUs and a young job that has run on 1 GPU only (its cap
+    is 2), whose learned curve s(r) = r ** 0.7 gives little for the first step (1.62) and more
+    for the ramp (s(8) = 4.29), as for the cifar10 jobs of the Pollux workloads."""
+    jobs = {
+        "donor": JobInfo(
+            0.0,
+            max_replicas=8,
+            speedup_fn=donor_fn,
+            remaining_work=donor_work,
+            age=donor_age,
+            num_restarts=donor_restarts,
+        ),
+        "young": JobInfo(
+            1.0,
+            max_replicas=2,
+            max_profiled_replicas=1,
+            speedup_fn=young.pop("fn", _power(0.7)),
+            remaining_work=4000.0,
+            age=108.0,
+            num_restarts=0,
+            **young,
+        ),
+    }
+    base = {"donor": [0, 0, 0, 0, 1, 1, 1], "young": [1]}
+    return jobs, _cluster(2, 4), base
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_young_job_held_by_its_cap_ramps_past_a_flat_donor(search):
+    """The step to the cap (1 -> 2 GPUs) gains 0.58 weighted speedup less a 0.20 restart
+    penalty, below the donor's loss (0.15 plus a 0.59 restart penalty), so without credit the
+    young job waits at 1 GPU. The ramp it unlocks is credited (with the caps lifted it would
+    reach 6 GPUs at the flat donor's expense, s(6) = 3.51) and it grows; not when the policy
+    cannot tell the cap from the job's own limit (no replica_limit)."""
+    case = dict(donor_fn=_power(0.3, 3.0), donor_work=3e4, donor_age=2500.0, donor_restarts=13)
+    jobs, nodes, base = _ramp_case(**case, replica_limit=8)
+    alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
+    assert len(alloc["young"]) == 2 and len(alloc["donor"]) == 6
+    off = WaterfillPolicy(search=search, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
+    assert len(off["young"]) == 1 and len(off["donor"]) == 7
+    jobs, nodes, base = _ramp_case(**case)  # replica_limit unknown: no ramp to credit
+    assert len(WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)["young"]) == 1
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_a_ramp_is_credited_only_as_far_as_it_wins_gpus(search):
+    """A donor whose every GPU is worth 1 (linear, weight 1): with the caps lifted the young
+    job still wins no GPU from it (its ramp gains at most 0.48 per GPU), so the ramp reaches
+    nothing, earns no credit and the job waits. The credit of a ramp to 8 GPUs would have moved
+    it (shown with that bonus applied by hand)."""
+    case = dict(donor_fn=LinearSpeedup(), donor_work=None, donor_age=1e5, donor_restarts=1)
+    jobs, nodes, base = _ramp_case(**case, replica_limit=8)
+    alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)
+    assert len(alloc["young"]) == 1 and len(alloc["donor"]) == 7
+    s = _power(0.7)
+    rate = 60.0 / (108.0 + 30.0)  # one round over the young job's restart horizon
+    forced = RampSpeedup(s, max_profiled_replicas=1, cap=2, bonus=rate * float(s(2, 8) - s(1, 2)))
+    jobs, nodes, base = _ramp_case(**case, fn=forced)
+    alloc = WaterfillPolicy(search=search, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
+    assert len(alloc["young"]) == 2
+
+
+def test_ramp_arguments_are_validated():
+    with pytest.raises(ValueError, match="ramp_credit"):
+        WaterfillPolicy(ramp_credit=-0.5)
+    with pytest.raises(ValueError, match="ramp_doublings"):
+        WaterfillPolicy(ramp_doublings=0)
+    with pytest.raises(ValueError, match="round_seconds"):
+        WaterfillPolicy(round_seconds=0.0)
+    with pytest.raises(ValueError, match="replica_limit"):
+        JobInfo(0.0, max_replicas=4, replica_limit=2)

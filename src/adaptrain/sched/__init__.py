@@ -4,7 +4,7 @@ from .optimus import OptimusPolicy
 from .policy_base import Allocation, JobInfo, NodeInfo, Policy, check_allocations
 from .pollux import PolluxPolicy
 from .simulator import SimJob, SimResult, Simulator
-from .speedup import ExploringSpeedup, LinearSpeedup, SpeedupFunction
+from .speedup import ExploringSpeedup, LinearSpeedup, RampSpeedup, SpeedupFunction
 from .tiresias import TiresiasPolicy
 from .traces import Application, WorkloadJob, load_applications, load_workload
 from .waterfill import WaterfillPolicy
@@ -19,6 +19,7 @@ __all__ = [
     "OptimusPolicy",
     "Policy",
     "PolluxPolicy",
+    "RampSpeedup",
     "SimJob",
     "SimResult",
     "Simulator",

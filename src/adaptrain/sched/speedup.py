@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ExploringSpeedup", "LinearSpeedup", "SpeedupFunction"]
+__all__ = ["ExploringSpeedup", "LinearSpeedup", "RampSpeedup", "SpeedupFunction"]
 
 
 class LinearSpeedup:
@@ -129,4 +129,41 @@ class ExploringSpeedup:
         r = np.asarray(num_replicas, dtype=np.float64)
         bound = self.s0 * (r / self.r0) ** self.beta
         out = np.where(r > self.r0, np.maximum(s, bound), s)
+        return float(out) if out.ndim == 0 else out
+
+
+class RampSpeedup:
+    """A speedup function credited with what growing to the exploration cap unlocks.
+
+    ``s'(n, r) = s(n, r) + bonus * min(1, (r - r0) / (cap - r0))`` for ``r > r0`` and ``s(n, r)``
+    otherwise, with ``r0`` the largest size the job has run on and ``cap`` the most it may get
+    this round (twice ``r0`` under AdaptDL's exploration rule). A job that wants to be much
+    larger than its cap reaches its size by doubling, one round per step: held back one round
+    now, its whole ramp (``cap``, ``2 cap``, ... up to the size ``r_far`` it would reach) comes
+    one round later, which costs about one round at ``s(r_far)`` rather than at ``s(cap)`` (the
+    rounds of a doubling ramp telescope). A policy that judges the step to the cap by
+    ``s(cap)`` alone keeps a young job at 1 GPU behind any donor's restart penalty; ``bonus``
+    values the ramp instead (:class:`~adaptrain.sched.WaterfillPolicy` sets it to
+    ``ramp_credit * rate * (s(r_far) - s(cap))``, ``rate`` one round over the job's restart
+    horizon).
+    """
+
+    def __init__(self, fn: Any, max_profiled_replicas: int, cap: int, bonus: float) -> None:
+        if not 1 <= max_profiled_replicas < cap:
+            raise ValueError(
+                f"need 1 <= max_profiled_replicas={max_profiled_replicas} < cap={cap}: a ramp "
+                "starts at a size the job has run on and ends above it"
+            )
+        if not bonus >= 0:
+            raise ValueError(f"bonus={bonus} must be >= 0")
+        self._fn = fn
+        self.r0 = int(max_profiled_replicas)
+        self.cap = int(cap)
+        self.bonus = float(bonus)
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
+        s = np.asarray(self._fn(num_nodes, num_replicas), dtype=np.float64)
+        r = np.asarray(num_replicas, dtype=np.float64)
+        frac = np.clip((r - self.r0) / (self.cap - self.r0), 0.0, 1.0)
+        out = s + self.bonus * frac
         return float(out) if out.ndim == 0 else out

@@ -60,6 +60,32 @@ it. Same-run effect on workloads 1/3/5/6 (avg JCT / stored Pollux, without -> wi
 1.021/1.043/1.025/1.010 -> 1.016/1.026/1.006/1.012, load 1.0 0.908/0.989/0.884/0.915 ->
 0.903/0.986/0.883/0.914; over all 16 files at loads 0.5-2.0 better on 13 (by 0.1-1.9%), worse
 on 3 (by 0.2-1.8%) (``benchmarks/results/sched.md``, session 6).
+
+Ramp credit (``ramp_credit``, default 1; ``None`` turns it off): a job held by its exploration
+cap (``JobInfo.max_replicas`` below its ``replica_limit``: at most twice the largest size it has
+run on) that wants to be much larger reaches its size by doubling, one round per step. Judged
+by the speedup at the cap alone, the first steps of a young job are worth little (its model,
+fitted early in training, predicts e.g. s(2) = 1.4) and lose to any donor's restart penalty, so
+the job waits at 1 GPU for rounds while its whole ramp waits with it (at load 0.5, cifar10 jobs
+waited up to 6 rounds and took 5-30% longer than under Pollux, whose p = -1 mean lifts the
+worst-off job). Held back one round, the ramp ``cap, 2 cap, ...`` up to the size ``r_far`` it
+would reach comes one round later, which costs about one round at ``s(r_far)`` rather than at
+``s(cap)`` (the rounds of a doubling ramp telescope). ``r_far`` is the job's size in a local
+search with the caps lifted (up to ``ramp_doublings`` doublings of the tried size, within the
+job's limit and the cluster): all ramps compete there with each other and with every other job,
+so under congestion they reach little. The one-off gain ``s(r_far) - s(cap)`` of one round is
+turned into a rate over the job's restart horizon, as the restart penalty turns its one-off
+loss into one: the step to the cap is credited ``ramp_credit * min(1, round_seconds (restarts +
+1) / (age + d)) * (s(r_far) - s(cap))`` (:class:`~adaptrain.sched.speedup.RampSpeedup`), about
+0.43 of the gain for a job two minutes old and 0.1 for an old, often restarted one. Crediting
+each ramp alone against the cheapest GPUs of the plan instead gained 1.5-5% at load 0.5 but
+lost up to 3% under congestion, where every young job counts on the same cheap donor
+(``benchmarks/results/sched.md``, session 12). Same-run effect on workloads 1/3/5/6 (avg JCT /
+stored Pollux, without -> with): load 0.5 1.016/1.026/1.006/1.012 -> 1.012/1.005/0.989/1.005,
+load 1.0 0.903/0.986/0.883/0.914 -> 0.915/0.971/0.878/0.913, load 1.5 0.852/0.919/0.857/0.887
+-> 0.855/0.915/0.861/0.866, load 2.0 0.848/0.898/0.862/0.888 -> 0.849/0.895/0.865/0.893: the
+mean over the 16 files 0.922 -> 0.918, every load-0.5 file better, the others mixed within the
+seed scatter (workload-1 at load 1.0, over three seeds of the genetic search: 0.903 -> 0.911).
 """
 
 from __future__ import annotations
@@ -73,7 +99,7 @@ import numpy as np
 
 from ._plan import WeightedGeneticSearch
 from .policy_base import Allocation, JobInfo, NodeInfo
-from .speedup import ExploringSpeedup
+from .speedup import ExploringSpeedup, RampSpeedup
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +128,20 @@ class WaterfillPolicy:
         genetic_runs: int = 1,
         explore_beta: float | None = 0.5,
         explore_horizon: float = 3600.0,
+        ramp_credit: float | None = 1.0,
+        ramp_doublings: int = 3,
+        round_seconds: float = 60.0,
     ) -> None:
         if explore_beta is not None and not 0.0 <= explore_beta <= 1.0:
             raise ValueError(
                 f"explore_beta={explore_beta} must lie in [0, 1], or be None (no exploration)"
             )
+        if ramp_credit is not None and not ramp_credit >= 0.0:
+            raise ValueError(f"ramp_credit={ramp_credit} must be >= 0, or None (no ramp credit)")
+        if ramp_doublings < 1:
+            raise ValueError(f"ramp_doublings={ramp_doublings} must be >= 1")
+        if not round_seconds > 0:
+            raise ValueError(f"round_seconds={round_seconds} must be > 0 (the scheduling interval)")
         if explore_horizon < 0:
             raise ValueError(f"explore_horizon={explore_horizon} must be >= 0 seconds")
         if theta <= 0 or alpha < 0:
@@ -129,6 +164,9 @@ class WaterfillPolicy:
         self.search = search
         self.explore_beta = explore_beta
         self.explore_horizon = explore_horizon
+        self.ramp_credit = ramp_credit
+        self.ramp_doublings = ramp_doublings
+        self.round_seconds = round_seconds
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -172,6 +210,42 @@ class WaterfillPolicy:
             fn = ExploringSpeedup(fn, r0, self.explore_beta, self.gpus_per_node)
             if job.remaining_work > self.explore_horizon * max(fn.s0, 1e-9):
                 out[k] = dataclasses.replace(job, speedup_fn=fn)
+        return out
+
+    def _ramp(self, jobs, keys, weight, curves, current, total, rel_cost, need):
+        """Jobs held by their exploration cap, with the step to the cap credited by the ramp
+        it unlocks (see the module docstring): ``{key: JobInfo}``, the others left out."""
+        g = self.gpus_per_node
+        tops = {}
+        for k in keys:
+            job = jobs[k]
+            r0, cap, limit = job.max_profiled_replicas, job.max_replicas, job.replica_limit
+            if job.speedup_fn is not None and limit is not None and 1 <= r0 < cap < limit:
+                tops[k] = min(r0 * 2**self.ramp_doublings, limit, total)
+        tops = {k: top for k, top in tops.items() if top > jobs[k].max_replicas}
+        if not tops:
+            return {}
+        # where the ramps would end: the plan with the caps lifted, every job competing
+        lifted = dict(curves)
+        for k, top in tops.items():
+            lifted[k] = self._utility(self._curve(jobs[k], top))
+        plan = self._local_search(keys, weight, lifted, current, total, rel_cost, need)
+        out: dict[str, JobInfo] = {}
+        d = self.restart_delay
+        for k in tops:
+            job = jobs[k]
+            cap, far = job.max_replicas, plan[k]
+            if far <= cap:
+                continue
+            fn = job.speedup_fn
+            gain = float(fn(-(-far // g), far)) - float(fn(-(-cap // g), cap))
+            # one round's gain, a one-off, as a rate over the job's restart horizon (as the
+            # restart penalty converts its one-off loss): round * (restarts + 1) / (age + d)
+            rate = min(1.0, self.round_seconds * (job.num_restarts + 1) / (job.age + d))
+            bonus = self.ramp_credit * rate * gain
+            if bonus > 0:
+                speedup = RampSpeedup(fn, job.max_profiled_replicas, cap, bonus)
+                out[k] = dataclasses.replace(job, speedup_fn=speedup)
         return out
 
     def _curve(self, job: JobInfo, rmax: int) -> np.ndarray:
@@ -227,6 +301,11 @@ class WaterfillPolicy:
         }
         current = {k: min(len(base_allocations.get(k, [])), len(curves[k]) - 1) for k in keys}
         need = {k: max(1, jobs[k].min_replicas) for k in keys}
+        if self.ramp_credit is not None:  # credit the steps to the caps (in both searches)
+            ramped = self._ramp(jobs, keys, weight, curves, current, total, rel_cost, need)
+            jobs = {**jobs, **ramped}
+            for k in ramped:
+                curves[k] = self._utility(self._curve(jobs[k], len(curves[k]) - 1))
         target = self._local_search(keys, weight, curves, current, total, rel_cost, need)
         for k in keys:  # honour minimum replicas: below it a job gets nothing
             if target[k] < jobs[k].min_replicas:
