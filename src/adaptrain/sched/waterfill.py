@@ -78,8 +78,8 @@ turned into a rate over the job's restart horizon, as the restart penalty turns 
 loss into one: the step to the cap is credited ``ramp_credit * min(1, round_seconds (restarts +
 1) / (age + d)) * (s(r_far) - s(cap))`` (:class:`~adaptrain.sched.speedup.RampSpeedup`), about
 0.43 of the gain for a job two minutes old and 0.1 for an old, often restarted one. Crediting
-each ramp alone against the cheapest GPUs of the plan instead gained 1.5-5% at load 0.5 but
-lost up to 3% under congestion, where every young job counts on the same cheap donor
+each ramp alone against the cheapest GPUs of the plan instead gained 2-5% at load 0.5 but
+lost up to 4% under congestion, where every young job counts on the same cheap donor
 (``benchmarks/results/sched.md``, session 12). Same-run effect on workloads 1/3/5/6 (avg JCT /
 stored Pollux, without -> with): load 0.5 1.016/1.026/1.006/1.012 -> 1.012/1.005/0.989/1.005,
 load 1.0 0.903/0.986/0.883/0.914 -> 0.915/0.971/0.878/0.913, load 1.5 0.852/0.919/0.857/0.887
