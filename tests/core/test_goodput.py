@@ -23,8 +23,8 @@ RNG = np.random.RandomState(0)
 RANDOM_PERF = [PerfParams(*RNG.gamma(2.0, 2.0, 7)) for _ in range(4)]
 RANDOM_GRAD = [GradParams(*RNG.gamma(2.0, 2.0, 2)) for _ in range(3)]
 
-settings.register_profile("goodput", max_examples=40, deadline=None)
-settings.load_profile("goodput")
+# this module's examples per property (loading a profile here would change every module's)
+SETTINGS = settings(max_examples=40, deadline=None)
 
 
 # ------------------------------------------------------------------ golden values (by hand)
@@ -225,6 +225,7 @@ def _reference_optimize(fn, nodes, replicas, max_batch, lo, hi, accumulation):
     return best
 
 
+@SETTINGS
 @given(
     perf=st.tuples(*[st.floats(1e-3, 1.0)] * 6, st.floats(1.0, 10.0)),
     grad=st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)),
@@ -249,6 +250,7 @@ def test_optimize_is_max_over_candidates(
         assert fn.evaluate(nodes, replicas, got[1], got[2]) == pytest.approx(got[0], rel=1e-12)
 
 
+@SETTINGS
 @given(
     perf=st.tuples(*[st.floats(1e-3, 1.0)] * 6, st.floats(1.0, 10.0)),
     grad=st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)),
@@ -276,6 +278,7 @@ def test_optimize_near_max_of_brute_force_grid(perf, grad, init, replicas, max_m
     assert goodput >= np.max(brute) / ratio * (1 - 1e-12)
 
 
+@SETTINGS
 @given(
     grad=st.tuples(st.floats(0.0, 1e3), st.floats(0.0, 1e3)),
     init=st.floats(1.0, 512.0),
@@ -290,6 +293,7 @@ def test_efficiency_at_most_one_and_decreasing(grad, init, batches):
     assert fn.efficiency(init) == pytest.approx(1.0)
 
 
+@SETTINGS
 @given(
     alpha_c=st.floats(1e-3, 1.0),
     beta_c=st.floats(1e-4, 0.1),
@@ -391,7 +395,7 @@ def test_fit_recovers_known_params(true):
     np.testing.assert_allclose(pred_o, t_optim, rtol=1e-3)
 
 
-@settings(max_examples=15)
+@settings(max_examples=15, deadline=None)
 @given(
     alphas=st.tuples(*[st.floats(1e-2, 1.0)] * 3),
     beta_c=st.floats(1e-4, 1e-2),
@@ -429,7 +433,7 @@ def test_fit_priors_with_few_observations():
     assert isinstance(fit, PerfParams) and all(isinstance(v, float) for v in fit)
 
 
-@settings(max_examples=15)
+@settings(max_examples=15, deadline=None)
 @given(
     replicas=st.integers(2, 8),
     bsz=st.integers(1, 512),
@@ -536,7 +540,7 @@ def test_fit_then_optimize_end_to_end():
     assert got[0] == pytest.approx(want[0], rel=0.05)
 
 
-@settings(max_examples=10)
+@settings(max_examples=10, deadline=None)
 @given(
     alphas=st.tuples(*[st.floats(1e-2, 1.0)] * 3),
     beta_c=st.floats(1e-4, 1e-2),

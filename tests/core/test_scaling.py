@@ -16,8 +16,8 @@ from adaptrain.core.scaling import (
     sqrt_factor,
 )
 
-settings.register_profile("scaling", max_examples=60, deadline=None)
-settings.load_profile("scaling")
+# this module's examples per property (loading a profile here would change every module's)
+SETTINGS = settings(max_examples=60, deadline=None)
 
 stats = st.floats(0.0, 1e6, allow_nan=False)
 scales = st.floats(1.0, 1e4, allow_nan=False)
@@ -45,6 +45,7 @@ def test_empty_statistics():
     assert adascale_factor(4.0, sqr=0.0, var=0.0) == pytest.approx(1.0)
 
 
+@SETTINGS
 @given(scale=scales, sqr=stats, var=stats)
 def test_adascale_bounds_and_sqrt_variant(scale, sqr, var):
     r = adascale_factor(scale, sqr, var)
@@ -52,6 +53,7 @@ def test_adascale_bounds_and_sqrt_variant(scale, sqr, var):
     assert sqrt_adascale_factor(scale, sqr, var) == pytest.approx(math.sqrt(r), rel=1e-12)
 
 
+@SETTINGS
 @given(s1=scales, s2=scales, sqr=stats, var=stats)
 def test_adascale_monotone_in_scale_and_sublinear(s1, s2, sqr, var):
     lo, hi = sorted((s1, s2))
@@ -61,6 +63,7 @@ def test_adascale_monotone_in_scale_and_sublinear(s1, s2, sqr, var):
     assert r_hi / hi <= r_lo / lo * (1 + 1e-12)
 
 
+@SETTINGS
 @given(scale=scales)
 def test_linear_and_sqrt(scale):
     assert linear_factor(scale) == scale
@@ -81,6 +84,7 @@ def test_legw_golden():
     assert legw_factor(9.0, 0.0, 0, 100) == pytest.approx(3.0)
 
 
+@SETTINGS
 @given(
     scale=scales,
     p1=st.floats(0.0, 1e6),
