@@ -221,8 +221,9 @@ class WaterfillPolicy:
             job = jobs[k]
             r0, cap, limit = job.max_profiled_replicas, job.max_replicas, job.replica_limit
             if job.speedup_fn is not None and limit is not None and 1 <= r0 < cap < limit:
-                tops[k] = min(r0 * 2**self.ramp_doublings, limit, total)
-        tops = {k: top for k, top in tops.items() if top > jobs[k].max_replicas}
+                top = min(r0 * 2**self.ramp_doublings, limit, total)
+                if top > cap:
+                    tops[k] = top
         if not tops:
             return {}
         # where the ramps would end: the plan with the caps lifted, every job competing
