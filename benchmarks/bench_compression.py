@@ -183,7 +183,7 @@ def _bytes_table(shapes, world_sizes=(2, 8)):
     res, _ = sign_update(flat, sign_init(flat.shape), local, error_feedback=True)
     add("EF-SignSGD (1 bit + scale)", res.sent_bytes, "all_gather")
     res, _ = sign_update(flat, sign_init(flat.shape), local, majority=True)
-    add("signSGD majority vote (1 bit)", res.sent_bytes, "all_gather")
+    add("signSGD majority vote (2 bits: ternary sign)", res.sent_bytes, "all_gather")
     out = []
     for name, sent, coll in rows:
         wire = {

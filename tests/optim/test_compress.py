@@ -18,6 +18,7 @@ from adaptrain.core.compress import (
     majority_vote,
     orthogonalize,
     pack_signs,
+    pack_ternary,
     powersgd_init,
     powersgd_update,
     randomk_indices,
@@ -28,6 +29,7 @@ from adaptrain.core.compress import (
     sparse_update,
     topk_indices,
     unpack_signs,
+    unpack_ternary,
 )
 from adaptrain.core.compress.sparsify import cyclic_block_indices
 
@@ -272,10 +274,49 @@ def test_sign_majority_vote_across_workers():
         return x, res
 
     outs = run_workers(3, work)
-    expected = torch.sign(sum(signs(o[0]) for o in outs))
+    expected = torch.sign(sum(torch.sign(o[0]) for o in outs))
     for _, res in outs:
         assert torch.equal(res.update, expected)
-        assert res.sent_bytes == 5 and res.dense_bytes == 40 * 8
+        assert res.sent_bytes == 10 and res.dense_bytes == 40 * 8  # 2 bits per coordinate
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([-2.5, -1.0, 0.0, -0.0, 0.5, 3.0]), min_size=1, max_size=40))
+def test_pack_unpack_ternary_roundtrip(values):
+    x = torch.tensor(values)
+    packed = pack_ternary(x)
+    assert packed.dtype == torch.uint8 and packed.numel() == 2 * -(-x.numel() // 8)
+    assert torch.equal(unpack_ternary(packed, x.numel()), torch.sign(x))
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_sign_majority_vote_leaves_zero_gradients_still(workers):
+    # A coordinate with a zero gradient on every worker (dead unit, unused row) casts no vote
+    # and gets no update; with one worker the vote is plain sign().
+    def work(r, comm):
+        x = _grads(r, [(12,)])[0]
+        x[3:6] = 0.0
+        res, _ = sign_update(x, sign_init((12,), torch.float64), comm, majority=True)
+        plain, _ = sign_update(x, sign_init((12,), torch.float64), comm)
+        return x, res.update, plain.update
+
+    outs = run_workers(workers, work)
+    votes = sum(torch.sign(o[0]) for o in outs)
+    for x, update, plain in outs:
+        assert torch.equal(update, torch.sign(votes))
+        assert torch.equal(update[3:6], torch.zeros(3, dtype=torch.float64))
+        assert_close(plain, votes / workers)
+        if workers == 1:
+            assert torch.equal(update, torch.sign(x))
+
+
+def test_sign_error_feedback_scale_is_finite_in_fp16():
+    # The L1 sum of this fp16 input (1e5) exceeds fp16's range; its mean (0.5) does not.
+    x = torch.full((200_000,), 0.5, dtype=torch.float16)
+    res, state = sign_update(x, sign_init(x.shape, torch.float16), error_feedback=True)
+    assert res.update.dtype == torch.float16
+    assert torch.equal(res.update, x)
+    assert torch.equal(state.memory, torch.zeros_like(x))
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -304,7 +345,7 @@ def test_sign_options_are_exclusive():
     with pytest.raises(ValueError, match="alternatives"):
         sign_update(torch.ones(3), sign_init((3,)), error_feedback=True, majority=True)
     res, _ = sign_update(torch.tensor([-2.0, 0.0, 3.0]), sign_init((3,)), LocalCommunicator())
-    assert res.update.tolist() == [-1.0, 1.0, 1.0]
+    assert res.update.tolist() == [-1.0, 0.0, 1.0]
 
 
 # ---------------------------------------------------------------- gossip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.testing import assert_close
@@ -52,7 +53,7 @@ def _make_state(kind: str, model: torch.nn.Module):
     if kind == "sign_ef":
         return SignHookState(error_feedback=True, params=ps), sign_hook
     if kind == "sign_mv":
-        return SignHookState(error_feedback=False, majority_vote=True, params=ps), sign_hook
+        return SignHookState(majority_vote=True, params=ps), sign_hook  # EF off by default
     return None, None
 
 
@@ -142,3 +143,11 @@ def test_torch_communicator():
     res = spawn(_comm_worker, 3, timeout=120)
     for m, g, sent, ws in res:
         assert m == [1.0, 2.0] and g == [0, 1, 2] and sent == 8 + 1 and ws == 3
+
+
+def test_sign_hook_state_options():
+    assert SignHookState().error_feedback is True  # EF-SignSGD unless majority vote is asked
+    mv = SignHookState(majority_vote=True)
+    assert mv.majority_vote is True and mv.error_feedback is False
+    with pytest.raises(ValueError, match="alternatives"):
+        SignHookState(error_feedback=True, majority_vote=True)

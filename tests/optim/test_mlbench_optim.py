@@ -251,9 +251,48 @@ def _sign_vote_worker(rank, ws):
 def test_sign_majority_vote_is_sign_of_summed_signs():
     res = _t(spawn(_sign_vote_worker, 3, timeout=120))
     grads = res[0][1]
-    expected = -0.5 * torch.sign(torch.where(grads >= 0, 1.0, -1.0).sum(0))
+    expected = -0.5 * torch.sign(torch.sign(grads).sum(0))
     for p, _ in res:
         assert torch.equal(p, expected)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_sign_majority_vote_skips_zero_and_missing_gradients(momentum):
+    # One process: the vote of a single worker is sign(u); zero coordinates and a parameter
+    # without a gradient do not move, as with the local rule and torch.optim.SGD.
+    used = torch.nn.Parameter(torch.ones(3))
+    unused = torch.nn.Parameter(torch.ones(3))
+    results = {}
+    for vote in (False, True):
+        used.data.fill_(1.0)
+        unused.data.fill_(1.0)
+        opt = SignSGD(
+            [used, unused], lr=0.1, momentum=momentum, weight_decay=0.01, majority_vote=vote
+        )
+        for _ in range(5):
+            opt.zero_grad()
+            (used * torch.tensor([1.0, 0.0, -1.0])).sum().backward()
+            opt.step()
+        assert unused.grad is None and "momentum_buffer" not in opt.state[unused]
+        assert torch.equal(unused.detach(), torch.ones(3))
+        results[vote] = used.detach().clone()
+    assert_close(results[True], results[False])
+    assert results[True][1] != 1.0  # weight decay alone moves the zero-gradient coordinate
+
+
+def test_sparsified_sgd_add_param_group():
+    torch.manual_seed(0)
+    a, b = torch.nn.Parameter(torch.randn(20)), torch.nn.Parameter(torch.randn(20))
+    b0 = b.detach().clone()
+    opt = SparsifiedSGD([a], lr=0.1, sparse_grad_size=5)
+    opt.add_param_group({"params": [b]})
+    (a.sum() + 2 * b.sum()).backward()
+    opt.step()
+    assert int((b.detach() != b0).sum()) == 5  # k coordinates of the new group applied
+    assert_close(opt.state[b]["memory"].sum(), torch.tensor(0.2 * 15))  # the rest remembered
+    opt.update_estimated_weights(1, 5)
+    est = opt.get_estimated_weights()
+    assert len(est) == 2 and est[1].shape == b.shape
 
 
 def _gossip_worker(rank, ws, rounds):

@@ -256,14 +256,21 @@ class SignHookState(_BucketStates):
     def __init__(
         self,
         process_group: Any = None,
-        error_feedback: bool = True,
+        error_feedback: bool | None = None,
         majority_vote: bool = False,
         params: Any = None,
     ) -> None:
         super().__init__(params)
+        if error_feedback is None:  # the default: error feedback unless majority vote is asked
+            error_feedback = not majority_vote
+        if error_feedback and majority_vote:
+            raise ValueError(
+                "error_feedback=True and majority_vote=True are alternatives (EF-SignSGD sends "
+                "scaled signs and averages them; majority vote sends bare signs): pick one"
+            )
         self.process_group = process_group
-        self.error_feedback = error_feedback
-        self.majority_vote = majority_vote
+        self.error_feedback = bool(error_feedback)
+        self.majority_vote = bool(majority_vote)
 
 
 def sign_hook(state: SignHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -12,8 +12,12 @@ Per parameter, with ``d = grad + weight_decay·p`` and SGD momentum ``b ← μ b
 
 With ``momentum=0`` the error-feedback form is exactly Algorithm 1 (EF-SIGNSGD) of Karimireddy
 et al.; with momentum, the momentum buffer is compressed (as in the authors' reference code).
-Each worker keeps its own residual ``e``; ``sign(0)`` is ``+1`` (1 bit per coordinate), the
-residual corrects it on later steps. On sklearn digits (``benchmarks/bench_convergence.py``)
+Each worker keeps its own residual ``e``; error feedback sends 1 bit per coordinate
+(``sign(0)`` as ``+1``, which the residual corrects on later steps), majority vote 2 bits (the
+ternary sign, so an exactly-zero coordinate casts no vote). A parameter without a gradient on
+this worker casts no vote and gets neither weight decay nor a momentum update (as in
+``torch.optim.SGD``, which skips it); it joins the collective all the same, so the workers need
+not agree on which parameters have gradients. On sklearn digits (``benchmarks/bench_convergence.py``)
 the momentum-free form tracks momentum SGD within 0.01 nats from 8 epochs on, while momentum
 0.9 needs about twice the steps (see ``benchmarks/results/compression.md``).
 """
@@ -81,11 +85,12 @@ class SignSGD(SGD):
                 if p.grad is None:
                     if comm is None:
                         continue
-                    p.grad = torch.zeros_like(p)  # every worker must join the collective
-                d = p.grad
-                if wd != 0:
-                    d = d.add(p, alpha=wd)
-                if mom != 0:
+                    d = torch.zeros_like(p)  # no vote, but every worker joins the collective
+                else:
+                    d = p.grad
+                    if wd != 0:
+                        d = d.add(p, alpha=wd)
+                if mom != 0 and p.grad is not None:
                     st = self.state[p]
                     if "momentum_buffer" not in st:
                         buf = st["momentum_buffer"] = d.clone()

@@ -68,11 +68,17 @@ class SparsifiedSGD(Optimizer):
         self.random_sparse = random_sparse
         self.cyclic_blocks = bool(cyclic_blocks)
         self.seed = int(seed)
-        for p in self._params():
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (``torch.optim.Optimizer``'s contract); its parameters get a zero
+        memory and an estimated-weight average starting at their current values."""
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
             st = self.state[p]
-            st["memory"] = torch.zeros_like(p)
-            st["estimated_w"] = p.detach().clone()
-            st["sparse_step"] = 0
+            if "memory" not in st:
+                st["memory"] = torch.zeros_like(p)
+                st["estimated_w"] = p.detach().clone()
+                st["sparse_step"] = 0
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]

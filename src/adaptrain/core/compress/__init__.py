@@ -18,10 +18,12 @@ from adaptrain.core.compress.sign import (
     SignState,
     majority_vote,
     pack_signs,
+    pack_ternary,
     sign_init,
     sign_update,
     signs,
     unpack_signs,
+    unpack_ternary,
 )
 from adaptrain.core.compress.sparsify import (
     SparseResult,
@@ -49,6 +51,7 @@ __all__ = [
     "majority_vote",
     "orthogonalize",
     "pack_signs",
+    "pack_ternary",
     "powersgd_init",
     "powersgd_update",
     "randomk_indices",
@@ -59,4 +62,5 @@ __all__ = [
     "sparse_update",
     "topk_indices",
     "unpack_signs",
+    "unpack_ternary",
 ]
