@@ -94,3 +94,56 @@ def test_replayed_code_after_restart_does_not_double_count(monkeypatch, tmp_path
     assert program(interrupt=True) == [1]
     checkpoint.reset()
     assert program(interrupt=False) == [1, 2]
+
+
+def _train_then_validate(interrupt_at: int | None) -> list:
+    """Sync after "training", then a validation loop; checkpoint (as graceful_exit does at a step
+    boundary) at its ``interrupt_at``-th iteration of this run and stop."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from adaptrain.torch import AdaptiveDataLoader
+
+    acc = Accumulator()
+    valid = AdaptiveDataLoader(TensorDataset(torch.arange(10)), batch_size=2)
+    out = []
+    for _epoch in remaining_epochs_until(1):
+        acc["train_loss"] += 5  # replayed after a restart inside this epoch
+        with acc.synchronized():  # recorded: replayed after a restart
+            out.append(dict(acc))
+            acc.clear()  # replayed too: must not wipe the sums collected after it
+        for i, (x,) in enumerate(valid):
+            if i == interrupt_at:
+                checkpoint.save_all_states()
+                return out
+            acc["seen"] += len(x)
+            acc["sum"] += int(x.sum())
+        with acc.synchronized():
+            out.append(dict(acc))
+    return out
+
+
+def test_replayed_sync_keeps_sums_collected_after_it(monkeypatch, tmp_path):
+    """A restart mid-validation replays the sync after training: it shows the recorded result,
+    but the validation sums checkpointed before the restart survive (and a second restart in the
+    same epoch replays the same recorded result, not the one the replayed clear() emptied)."""
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    assert _train_then_validate(interrupt_at=2) == [{"train_loss": 5}]  # 4 samples seen
+    checkpoint.reset()
+    assert _train_then_validate(interrupt_at=1) == [{"train_loss": 5}]  # 2 more
+    checkpoint.reset()
+    assert _train_then_validate(interrupt_at=None) == [{"train_loss": 5}, {"seen": 10, "sum": 45}]
+
+
+def _replicas_train_then_validate(rank: int, world_size: int, interrupt_at: int | None) -> list:
+    return _train_then_validate(interrupt_at)
+
+
+def test_replayed_sync_keeps_sums_across_replica_counts(tmp_path):
+    """Same on real replicas: checkpoint mid-validation on 2, resume on 3; every sample counts
+    once and the replicas' updates of the replayed code are not summed again."""
+    env = {"ADAPTRAIN_CHECKPOINT_PATH": str(tmp_path)}
+    first = spawn(_replicas_train_then_validate, 2, args=(2,), env=env, timeout=120)
+    assert first == [[{"train_loss": 10}]] * 2  # 2 replicas × 5
+    res = spawn(_replicas_train_then_validate, 3, args=(None,), env=env, timeout=120)
+    assert res == [[{"train_loss": 10}, {"seen": 10, "sum": 45}]] * 3

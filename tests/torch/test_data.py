@@ -146,6 +146,33 @@ def test_finished_loop_is_skipped_after_restart(monkeypatch, tmp_path):
     assert counts == [0, 2]
 
 
+def test_every_finished_loop_is_skipped_after_restart(monkeypatch, tmp_path):
+    """Several loops finished in the epoch before the restart (two loaders, one of them looped
+    twice): all are skipped, none is run again; the interrupted one resumes."""
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+
+    def program(interrupt: bool) -> list[int]:
+        train = at.AdaptiveDataLoader(_ids(12), 4)
+        extra = at.AdaptiveDataLoader(_ids(8), 4)
+        valid = at.AdaptiveDataLoader(_ids(6), 2)
+        counts = []
+        for _epoch in at.remaining_epochs_until(1):
+            counts.append(sum(len(x) for (x,) in train))
+            counts.append(sum(len(x) for (x,) in train))
+            counts.append(sum(len(x) for (x,) in extra))
+            counts.append(0)
+            for i, (x,) in enumerate(valid):
+                if interrupt and i == 1:
+                    checkpoint.save_all_states()
+                    return counts
+                counts[-1] += len(x)
+        return counts
+
+    assert program(interrupt=True) == [12, 12, 8, 2]
+    checkpoint.reset()
+    assert program(interrupt=False) == [0, 0, 0, 4]
+
+
 def test_batch_size_switch_keeps_exactly_once(monkeypatch):
     """The loader applies a suggestion only at segment boundaries; coverage stays exact."""
     from adaptrain.torch import _metrics
@@ -324,7 +351,7 @@ def test_batch_size_decision_is_rank0s():
 
 
 class _ListLoader(at.AdaptiveDataLoaderMixin):
-    """A custom elastic loader built from the public pieces (single replica)."""
+    """A custom elastic loader built from the public pieces (reads current_local_bsz)."""
 
     def __init__(self, data, batch_size):
         super().__init__(batch_size)
@@ -341,7 +368,7 @@ class _ListLoader(at.AdaptiveDataLoaderMixin):
             for i in range(0, len(local), bsz):
                 with self._elastic.profile(commit=False):
                     yield local[i : i + bsz]
-                    self._elastic.current_index += len(local[i : i + bsz])
+                    self._elastic.current_index += bsz * self.sampler.num_replicas
 
 
 def test_mixin_custom_loader_resumes(monkeypatch, tmp_path):
@@ -446,3 +473,106 @@ def test_kept_workers_yield_what_no_workers_yield_after_a_break():
         return out
 
     assert sequence(2) == sequence(0)
+
+
+class _WorkerInfo(torch.utils.data.Dataset):
+    """Sample ``i`` -> (i, the worker's torch seed, what ``_mark_worker`` left in the worker)."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        return i, torch.initial_seed(), _WORKER_MARK
+
+
+_WORKER_MARK = -1
+
+
+def _mark_worker(worker_id: int) -> None:
+    global _WORKER_MARK
+    _WORKER_MARK = 100 + worker_id
+
+
+def test_workers_of_a_spawn_context():
+    """Workers started by spawn (or forkserver) get the loader's worker_init_fn pickled: it must
+    be a picklable object, not a closure. They still get distinct seeds, and the user's
+    worker_init_fn runs in each of them."""
+    dl = at.AdaptiveDataLoader(
+        _WorkerInfo(),
+        batch_size=3,
+        num_workers=2,
+        multiprocessing_context="spawn",
+        worker_init_fn=_mark_worker,
+    )
+    rows = [tuple(int(v) for v in row) for batch in dl for row in zip(*batch)]
+    assert sorted(i for i, _, _ in rows) == list(range(12))
+    assert {mark for _, _, mark in rows} == {100, 101}
+    seeds = {mark: seed for _, seed, mark in rows}
+    assert len(set(seeds.values())) == 2 and dl.worker_init_fn.worker_init_fn is _mark_worker
+
+
+def _sizes_across_a_restart(rank: int, world_size: int, interrupt: bool) -> dict:
+    from adaptrain.torch import _metrics
+
+    if interrupt:  # the first run's goodput model settles on 24 (global) at once
+        _metrics.suggest_batch_size = lambda *a, **k: (24 // world_size, 1)
+    auto = at.AdaptiveDataLoader(_ids(64), batch_size=16)
+    auto.autoscale_batch_size(64)
+    plain = at.AdaptiveDataLoader(_ids(64), batch_size=16)
+    custom = _ListLoader(list(range(64)), batch_size=16)
+    out: dict = {}
+    for _epoch in at.remaining_epochs_until(1):
+        # Before any iteration of this run (the first two loops are skipped after the restart).
+        # (The mixin's current_local_bsz/current_batch_size are None outside loops.)
+        a, p = auto._elastic, plain._elastic
+        out["auto"] = (
+            len(auto),
+            a.current_local_bsz,
+            auto.accumulation_steps,
+            a.current_batch_size,
+        )
+        out["plain"] = (len(plain), p.current_local_bsz, p.current_batch_size)
+        out["auto_sizes"] = [len(x) for (x,) in auto]
+        out["plain_sizes"] = [len(x) for (x,) in plain]
+        out["custom"] = []
+        for i, batch in enumerate(custom):
+            if interrupt and i == 1:
+                checkpoint.save_all_states()  # what graceful_exit does at a step boundary
+                return out
+            out["custom"].append((len(batch), custom.current_local_bsz, custom.current_batch_size))
+    return out
+
+
+def test_sizes_follow_the_replica_count_right_after_a_restart(tmp_path):
+    """After a restart on another replica count, len() and the batch-size properties describe
+    the new count before the first iteration (not the decision checkpointed for the old count);
+    an autoscaled loader keeps the checkpointed global batch; a custom loader reading
+    current_local_bsz keeps the global batch size."""
+    env = {"ADAPTRAIN_CHECKPOINT_PATH": str(tmp_path)}
+    [first] = spawn(_sizes_across_a_restart, 1, args=(True,), env=env, timeout=120)
+    assert first["auto_sizes"] == [24, 24, 16] and first["plain_sizes"] == [16] * 4
+    assert first["custom"] == [(16, 16, 16)]
+    res = spawn(_sizes_across_a_restart, 2, args=(False,), env=env, timeout=120)
+    for out in res:
+        # 24 = 2 × 12; a pass of 64 on 2 replicas: micro-batches of 24, 24, 16 (12, 12, 8 each).
+        assert out["auto"] == (3, 12, 1, 24)
+        assert out["plain"] == (4, 8, 16)  # 4 × (2 × 8)
+        assert out["auto_sizes"] == [] and out["plain_sizes"] == []  # finished before
+        assert out["custom"] == [(8, 8, 16)] * 3  # the 48 samples left, 16 per step
+
+
+def test_min_local_bsz_above_max_batch_size_on_many_replicas_is_logged(monkeypatch, caplog):
+    """min_local_bsz × replicas > max_batch_size cannot be honoured: logged with the values."""
+    monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", "2")
+    dl = at.AdaptiveDataLoader(_ids(64), batch_size=8)
+    with caplog.at_level("WARNING", logger="adaptrain.torch.data"):
+        dl.autoscale_batch_size(16, local_bsz_bounds=(8, 16))  # 8 × 2 = 16: fine
+    assert not caplog.records
+    monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", "4")
+    dl = at.AdaptiveDataLoader(_ids(64), batch_size=8)
+    with caplog.at_level("WARNING", logger="adaptrain.torch.data"):
+        dl.autoscale_batch_size(16, local_bsz_bounds=(8, 16))
+    [record] = caplog.records
+    msg = record.getMessage()
+    assert "min_local_bsz=8 on 4 replicas" in msg and "at least 32" in msg, msg
+    assert "max_batch_size=16" in msg and dl._elastic.current_batch_size == 32

@@ -12,8 +12,10 @@ Two modes:
 Restart consistency: pending updates are folded in (synced) before every checkpoint; the
 results of every synchronization made outside a data-loader loop in the current epoch are kept
 in ``results_history`` so that, when a restart replays that code, the replay reads the recorded
-result instead of re-summing (which would count the replayed updates twice). History of
-finished epochs is dropped.
+result instead of re-summing (which would count the replayed updates twice). A replayed block
+only shows the recorded result: its writes are discarded and the checkpointed running sums are
+kept, so sums collected after it (e.g. the first half of a validation loop that a checkpoint
+interrupted) still count. History of finished epochs is dropped.
 """
 
 from __future__ import annotations
@@ -117,15 +119,21 @@ class Accumulator(MutableMapping):
         self._sync_count[epoch] += 1
         results_list = history[epoch]
         if count < len(results_list):
-            # Replay after a restart: this synchronization already happened.
-            self._state.results = copy.deepcopy(results_list[count])
+            # Replay after a restart: this synchronization already happened before the
+            # checkpoint. Show what it showed then, on a copy: the checkpointed running sums
+            # (``results``) already hold every effect of the code before the checkpoint, sums
+            # collected after this synchronization included, so they stay untouched, and so do
+            # the writes replayed inside the block (e.g. an ``acc.clear()`` that must not wipe
+            # those later sums) and the recorded entry itself (a second restart replays it
+            # again). The pending updates come from replayed code, already counted: dropped.
+            self._synchronized = copy.deepcopy(results_list[count])
             self._state.updates = {}
         else:
             self._state.sync()
             if current_dataloader() is None:
                 # Code inside data-loader loops is never replayed: nothing to record there.
                 results_list.append(copy.deepcopy(self._state.results))
-        self._synchronized = self._state.results
+            self._synchronized = self._state.results
         try:
             yield self
         finally:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import logging
 import math
 import pickle
@@ -270,6 +269,10 @@ class AdaptiveDataLoaderHelper:
         self._mb: _MicroBatch | None = None
         self._mb_local = 0
         self._poll_ok = True
+        self._skipped = False  # skipdone() skipped the loop of the current context
+        # (local_bsz, accum_steps, num_replicas) last decided in this process: while the state
+        # still holds it, it is for the current replica count (the properties' fast path).
+        self._decided: tuple[int, int, int] | None = None
 
     # ----- properties ---------------------------------------------------------------------------
     @property
@@ -305,17 +308,17 @@ class AdaptiveDataLoaderHelper:
 
     @property
     def current_local_bsz(self) -> int:
-        """Samples per micro-batch on each replica (the last one of a loop may differ by ±1)."""
-        if not self._state.local_bsz:
-            self._state.local_bsz, self._state.accum_steps = self._default_decision()
-        return self._state.local_bsz
+        """Samples per micro-batch on each replica (the last one of a loop may differ by ±1).
+
+        Always for the current replica count: after a restart on another count, before the
+        first iteration, it is the checkpointed decision converted to the same global batch.
+        """
+        return self._current_decision()[0]
 
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step (≥ 1; 1 means no gradient accumulation)."""
-        if not self._state.local_bsz:
-            self._state.local_bsz, self._state.accum_steps = self._default_decision()
-        return self._state.accum_steps
+        return self._current_decision()[1]
 
     @property
     def current_batch_size(self) -> int:
@@ -361,6 +364,8 @@ class AdaptiveDataLoaderHelper:
         Raises:
             ValueError: ``max_batch_size`` not an int ≥ the initial batch size, or bounds that are
                 not ``(min, max)`` with ``1 ≤ min ≤ max`` and ``min ≤ max_batch_size``.
+                (``min × replicas > max_batch_size`` is only logged: the global batch size then
+                exceeds ``max_batch_size`` on this replica count.)
         """
         if (
             isinstance(max_batch_size, bool)
@@ -396,7 +401,21 @@ class AdaptiveDataLoaderHelper:
         self._max_batch_size = max_batch_size
         self._local_bsz_bounds = local_bsz_bounds
         self._gradient_accumulation = bool(gradient_accumulation)
-        if _world()[1] == 0:  # rank 0 decides: its fit's solver loads off the critical path
+        num_replicas, rank = _world()
+        lo = local_bsz_bounds[0] if local_bsz_bounds is not None else None
+        if rank == 0 and lo is not None and lo * num_replicas > max_batch_size:
+            # Not an error: the replica count is the scheduler's choice, not the program's.
+            logger.warning(
+                "local_bsz_bounds=%s: min_local_bsz=%d on %d replicas makes a global batch "
+                "of at least %d, above max_batch_size=%d: on this replica count the batch "
+                "size exceeds max_batch_size",
+                local_bsz_bounds,
+                lo,
+                num_replicas,
+                lo * num_replicas,
+                max_batch_size,
+            )
+        if rank == 0:  # rank 0 decides: its fit's solver loads off the critical path
             _metrics.prefetch_fit_solver()
         self.train()
 
@@ -421,6 +440,31 @@ class AdaptiveDataLoaderHelper:
             return max(1, math.ceil(self.batch_size / num_replicas)), 1
         return self._clamp(self.batch_size, num_replicas)
 
+    def _current_decision(self) -> tuple[int, int]:
+        """``(local_bsz, accum_steps)`` in force for the current replica count (local, no
+        collective, state untouched).
+
+        Without autoscaling: the batch size split over the replicas. With it: the last decision
+        if it was made for this replica count; else (none yet, or a restart on another count)
+        that decision's global batch size (the initial one if none) on this count, within the
+        bounds. :meth:`_decide` starts from the same value, so what the properties and
+        ``len()`` report before an iteration is what the iteration uses unless it re-decides.
+        """
+        s = self._state
+        if self._decided is not None and self._decided == (
+            s.local_bsz,
+            s.accum_steps,
+            s.num_replicas,
+        ):
+            return s.local_bsz, s.accum_steps  # decided here, for this replica count
+        num_replicas = _world()[0]
+        if self._max_batch_size is None:
+            return self._default_decision()
+        if s.local_bsz and s.num_replicas == num_replicas:
+            return s.local_bsz, s.accum_steps
+        target = s.local_bsz * s.accum_steps * s.num_replicas or self.batch_size
+        return self._clamp(min(target, self._max_batch_size), num_replicas)
+
     def _decide(self) -> tuple[int, int]:
         """Batch size for the next segment (collective when autoscaling)."""
         num_replicas = _world()[0]
@@ -428,12 +472,8 @@ class AdaptiveDataLoaderHelper:
         if self._max_batch_size is None:
             s.local_bsz, s.accum_steps = self._default_decision()
         else:
-            if not s.local_bsz or s.num_replicas != num_replicas:
-                # First decision, or a restart on another replica count: keep the global batch.
-                target = s.local_bsz * s.accum_steps * s.num_replicas or self.batch_size
-                s.local_bsz, s.accum_steps = self._clamp(
-                    min(target, self._max_batch_size), num_replicas
-                )
+            # First decision, or a restart on another replica count: keep the global batch.
+            s.local_bsz, s.accum_steps = self._current_decision()
             decision = (s.local_bsz, s.accum_steps)
             if _world()[1] == 0:
                 nodes = min(max(env.num_nodes(), 1), num_replicas)
@@ -444,6 +484,7 @@ class AdaptiveDataLoaderHelper:
                     decision = (int(suggestion[0]), int(suggestion[1]))
             s.local_bsz, s.accum_steps = collective.broadcast(decision)
         s.num_replicas = num_replicas
+        self._decided = (s.local_bsz, s.accum_steps, s.num_replicas)
         return s.local_bsz, s.accum_steps
 
     def _segment_steps(self, num_replicas: int, local_bsz: int, accum: int) -> int | None:
@@ -491,13 +532,20 @@ class AdaptiveDataLoaderHelper:
             )
         AdaptiveDataLoaderHelper._current = self
         signals.install()
+        self._skipped = False
         try:
             yield
         finally:
             self._state.current_index = 0
             self._state.end_index = 0
-            self._state.last_position[epoch] = AdaptiveDataLoaderHelper._position[epoch]
-            AdaptiveDataLoaderHelper._position[epoch] += 1
+            if self._skipped:
+                # skipdone() already counted this loop's position; counting it again (as AdaptDL
+                # does) would shift every later loop of the epoch by one, and a second loop
+                # finished before the restart would then run again.
+                self._skipped = False
+            else:
+                self._state.last_position[epoch] = AdaptiveDataLoaderHelper._position[epoch]
+                AdaptiveDataLoaderHelper._position[epoch] += 1
             AdaptiveDataLoaderHelper._current = None
             self._mb = None
             self._accum_count = 0
@@ -510,6 +558,7 @@ class AdaptiveDataLoaderHelper:
         if position <= self._state.last_position.get(epoch, -1):
             logger.info("skipping finished loop at position %s in epoch %s", position, epoch)
             AdaptiveDataLoaderHelper._position[epoch] += 1
+            self._skipped = AdaptiveDataLoaderHelper._current is self
             return True
         return False
 
@@ -595,20 +644,33 @@ class AdaptiveDataLoaderMixin:
         self._elastic.to_tensorboard(writer, global_step, tag_prefix)
 
 
-def _worker_init_wrapper(worker_init_fn: Any, num_workers: int | None) -> Any:
-    def wrapper(worker_id: int) -> Any:
-        # Distinct python/numpy/torch seeds per worker and replica.
-        seed = torch.initial_seed() + _world()[1] * (num_workers or 1)
+class _WorkerInit:
+    """``worker_init_fn`` of an :class:`AdaptiveDataLoader`: distinct python/numpy/torch seeds per
+    worker and replica, then the user's ``worker_init_fn``.
+
+    A module-level class, not a closure, so that it pickles: DataLoader workers started with the
+    ``spawn``/``forkserver`` multiprocessing contexts receive it pickled. The replica rank is
+    taken in the parent (the workers of a spawn context have no process group).
+    """
+
+    def __init__(self, worker_init_fn: Any, num_workers: int | None, rank: int) -> None:
+        self.worker_init_fn = worker_init_fn
+        self.num_workers = num_workers
+        self.rank = rank
+        if worker_init_fn is not None:
+            self.__wrapped__ = worker_init_fn
+
+    def __call__(self, worker_id: int) -> Any:
+        seed = torch.initial_seed() + self.rank * (self.num_workers or 1)
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
         random.seed(seed)
-        if worker_init_fn is not None:
-            return worker_init_fn(worker_id)
+        if self.worker_init_fn is not None:
+            return self.worker_init_fn(worker_id)
         return None
 
-    if worker_init_fn is not None:
-        wrapper = functools.wraps(worker_init_fn)(wrapper)
-    return wrapper
+    def __repr__(self) -> str:
+        return f"_WorkerInit({self.worker_init_fn!r}, rank={self.rank})"
 
 
 class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
@@ -649,8 +711,8 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
             # workers between them instead of forking new ones each time (a new iterator with
             # 1-2 fresh workers took 35-57 ms to its first batch on a 2-CPU host).
             kwargs["persistent_workers"] = True
-        kwargs["worker_init_fn"] = _worker_init_wrapper(
-            kwargs.get("worker_init_fn"), kwargs.get("num_workers")
+        kwargs["worker_init_fn"] = _WorkerInit(
+            kwargs.get("worker_init_fn"), kwargs.get("num_workers"), _world()[1]
         )
         plan_sampler = _PlanBatchSampler()
         super().__init__(dataset, batch_sampler=plan_sampler, **kwargs)
@@ -721,6 +783,8 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                 self._plan_sampler.batches = locals_
                 if self.num_workers > 0:  # no fork while the solver's import holds its locks
                     _metrics.wait_for_solver_prefetch()
+                    if isinstance(self.worker_init_fn, _WorkerInit):
+                        self.worker_init_fn.rank = rank  # for workers started from now on
                 it = super().__iter__()
                 for i, (mb, idx) in enumerate(zip(plan, locals_)):
                     helper._mb = mb
