@@ -205,10 +205,12 @@ def test_optimize_broadcast_shapes():
 
 
 def _reference_optimize(fn, nodes, replicas, max_batch, lo, hi, accumulation):
-    """Scalar re-statement of AdaptDL's candidate rule, one candidate at a time."""
+    """Scalar re-statement of AdaptDL's candidate rule, one candidate at a time, without the
+    candidates whose rounded-up total passes max_batch (unless the smallest one does)."""
     init = fn.init_batch_size
     min_batch = max(init, lo * replicas)
     best = (-1.0, None, None)
+    limit = None
     for batch in np.geomspace(min_batch, max_batch, G.NUM_CANDIDATES):
         local = batch / replicas
         if accumulation:
@@ -219,7 +221,10 @@ def _reference_optimize(fn, nodes, replicas, max_batch, lo, hi, accumulation):
         else:
             steps = 0
             bsz = init if replicas == 1 else math.ceil(local - 1e-8)
-        value = fn.evaluate(nodes, replicas, bsz, steps) if lo <= bsz <= hi else 0.0
+        total = replicas * bsz * (steps + 1)
+        limit = max(max_batch, total) if limit is None else limit
+        ok = lo <= bsz <= hi and total <= limit
+        value = fn.evaluate(nodes, replicas, bsz, steps) if ok else 0.0
         if value > best[0]:
             best = (value, bsz, steps)
     return best

@@ -330,3 +330,57 @@ def test_a_stalled_sync_sample_stays_out_of_the_fallback_mean():
     compute, optim = _metrics._step_times(key, rec)
     assert optim == pytest.approx(0.010)
     assert compute == pytest.approx(0.008)
+
+
+def _profiled(init, max_bsz, bounds, accumulation, replicas, atomic, t_acc, t_opt, grad):
+    """A job measured for MIN_SAMPLES steps at (1 node, replicas, atomic), one micro-batch."""
+    checkpoint.reset()
+    _metrics.set_batch_size(init, max_bsz, bounds, accumulation)
+    for _ in range(_metrics.MIN_SAMPLES):
+        _metrics._record(1, replicas, atomic, t_acc, True)
+        sync = t_opt - t_acc if replicas > 1 else 0.0
+        _metrics._record(1, replicas, atomic, t_opt, False, sync_time=sync)
+    _metrics.update_grad_params(*grad)
+
+
+@pytest.mark.parametrize("var", [0.5, 1.0, 4.0, 64.0])
+def test_moves_respect_bounds_and_max_batch_size(var):
+    # Exploration and the model's choice stay within the micro-batch bounds and the largest
+    # total batch (rounding a total over 3 replicas up used to give 3 × 14 = 42 > 40).
+    cases = [
+        # init, max, bounds, accumulation, replicas, atomic
+        (16, 42, (16, 20), True, 1, 16),
+        (30, 40, None, False, 3, 10),
+        (16, 64, None, False, 1, 16),  # one replica without accumulation cannot grow
+        (8, 100, (6, 9), True, 2, 6),
+    ]
+    for init, max_bsz, bounds, accumulation, replicas, atomic in cases:
+        _profiled(init, max_bsz, bounds, accumulation, replicas, atomic, 0.010, 0.012, (1.0, var))
+        got = _metrics.suggest_batch_size(1, replicas, atomic, 1)
+        if got is None:
+            continue
+        lo, hi = bounds or (1, max_bsz)
+        assert lo <= got[0] <= hi and replicas * got[0] * got[1] <= max_bsz, (init, got)
+        assert accumulation or got[1] == 1
+        assert not (replicas == 1 and not accumulation), got
+
+
+def test_optimize_does_not_round_past_max_batch_size():
+    fn = GoodputFunction(PerfParams(0.01, 1e-4, 1e-8, 1e-8, 1e-3, 1e-8, 1.0), (0.0, 1.0), 30)
+    _, atomic, accum = fn.optimize(1, 3, max_batch_size=40)
+    assert 3 * atomic * (accum + 1) <= 40
+    _, atomic, accum = fn.optimize(1, 3, max_batch_size=40, round_past_max=True)
+    assert (atomic, accum) == (14, 0)  # AdaptDL's rule, kept for the scheduler's simulation
+    # When the initial batch itself cannot be split evenly, its rounded-up total is the floor.
+    fn32 = GoodputFunction(PerfParams(0.01, 1e-4, 1e-8, 1e-8, 1e-3, 1e-8, 1.0), (0.0, 1.0), 32)
+    good, atomic, accum = fn32.optimize(1, 3, max_batch_size=32)
+    assert good > 0 and (atomic, accum) == (11, 0)
+
+
+def test_a_current_batch_below_the_initial_one_is_evaluated():
+    # batch 32, micro-batches ≤ 8, rescaled onto 3 replicas: the loader runs 3 × 8 = 24 < 32.
+    _profiled(32, 128, (None, 8), False, 3, 8, 0.010, 0.014, (1.0, 1.0))
+    assert _metrics.suggest_batch_size(1, 3, 8, 1) is None  # nothing ≥ 32 fits the bounds
+    _profiled(32, 128, (None, 12), False, 3, 8, 0.010, 0.014, (1.0, 64.0))
+    got = _metrics.suggest_batch_size(1, 3, 8, 1)
+    assert got is not None and 32 <= 3 * got[0] * got[1] and got[0] <= 12

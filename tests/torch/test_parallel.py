@@ -289,6 +289,101 @@ def test_accumulation_with_no_sync_matches_ddp():
         assert updates == 3
 
 
+def _replay_on_ddp(model, seen, lr: float) -> list[torch.Tensor]:
+    """Plain DDP on the micro-batches ``seen`` as ``(x, y, optim_step)``: each step uses the
+    mean gradient of the micro-batches it ran (SGD at ``lr``); returns each step's gradient."""
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    grads, group = [], []
+    for xb, yb, optim_step in seen:
+        group.append((xb, yb))
+        if not optim_step:
+            continue
+        opt.zero_grad()
+        for k, (a, b) in enumerate(group):
+            loss = F.cross_entropy(ddp(a), b) / len(group)
+            if k < len(group) - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        grads.append(_flat_grad(model))
+        opt.step()
+        group = []
+    return grads
+
+
+def _short_last_step(rank, ws):
+    from adaptrain.torch.data import AdaptiveDataLoader, current_dataloader
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = _data()
+    data = torch.utils.data.TensorDataset(X[:80], y[:80])
+    m_adp, m_ref = _model(), _model()
+    opt = torch.optim.SGD(m_adp.parameters(), lr=0.1)
+    adp = AdaptiveDataParallel(m_adp, opt)
+    # 64 per step = 2 replicas × 2 micro-batches × 16: the pass's second step has 1 micro-batch.
+    loader = AdaptiveDataLoader(data, batch_size=64, shuffle=False)
+    loader.autoscale_batch_size(64, local_bsz_bounds=(None, 16), gradient_accumulation=True)
+    seen, grads, scales = [], [], []
+    for xb, yb in loader:
+        optim_step = current_dataloader().is_optim_step()
+        seen.append((xb, yb, optim_step))
+        opt.zero_grad()
+        F.cross_entropy(adp(xb), yb).backward()
+        if optim_step:
+            grads.append(_flat_grad(m_adp))
+            scales.append(adp._step_scale())
+        opt.step()
+    ref = _replay_on_ddp(m_ref, seen, lr=0.1)  # the first step's lr factor is 1 (scale 1)
+    return [len(s[1]) for s in seen], [g.numpy() for g in grads], [g.numpy() for g in ref], scales
+
+
+def _zero_grad_in_accumulation(rank, ws, via):
+    import warnings
+
+    from adaptrain.torch.data import AdaptiveDataLoader, current_dataloader
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = _data()
+    data = torch.utils.data.TensorDataset(X[:128], y[:128])
+    m_adp, m_ref = _model(), _model()
+    opt = torch.optim.SGD(m_adp.parameters(), lr=0.1)
+    adp = AdaptiveDataParallel(m_adp, opt)
+    loader = AdaptiveDataLoader(data, batch_size=64, shuffle=False)
+    loader.autoscale_batch_size(64, local_bsz_bounds=(None, 16), gradient_accumulation=True)
+    zero = adp.scaling_rule.zero_grad if via == "rule" else adp.zero_grad
+    seen = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for xb, yb in loader:  # the AMP-style loop: step only at the end of a step
+            optim_step = current_dataloader().is_optim_step()
+            seen.append((xb, yb, optim_step))
+            zero()
+            F.cross_entropy(adp(xb), yb).backward()
+            if optim_step:
+                opt.step()
+    skipped = sum("zero_grad skipped" in str(w.message) for w in caught)
+    _replay_on_ddp(m_ref, seen, lr=0.1)
+    return _np(m_adp), _np(m_ref), skipped, len(seen)
+
+
+@pytest.mark.parametrize("via", ["rule", "adp"])
+def test_zero_grad_mid_accumulation_keeps_the_micro_batches(via):
+    for got, ref, skipped, micro in spawn(_zero_grad_in_accumulation, 2, args=(via,)):
+        assert micro == 4 and skipped == 2  # the second micro-batch of each of 2 steps
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_short_last_step_of_a_pass_averages_the_micro_batches_it_ran():
+    for sizes, grads, ref, scales in spawn(_short_last_step, 2, timeout=TIMEOUT):
+        assert sizes == [16, 16, 8] and len(grads) == len(ref) == 2
+        for a, b in zip(grads, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert scales == [1.0, 0.5]  # the short step ran half the planned samples' steps
+
+
 # ----------------------------------------------------------------------------------------------
 def _grad_scaler(rank, ws):
     from adaptrain.torch.parallel import AdaptiveDataParallel
@@ -392,3 +487,38 @@ def test_checkpoint_round_trip_replays_identically(tmp_path, interval):
         )  # the same samples (no bucket layout in them), the same schedule
         assert a["gns"]["sqr"][2] == b["gns"]["sqr"][2] == 6 // interval
         assert b["gns"]["progress"] == a["gns"]["progress"] == 6.0
+
+
+# ----------------------------------------------------------------------------------------------
+def _sparse_vs_dense(rank, ws):
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    out = {}
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.EmbeddingBag(50, 8, sparse=sparse), torch.nn.Linear(8, 1)
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        adp = AdaptiveDataParallel(model, opt, max_stats_interval=1, name=f"adp-{sparse}")
+        g = torch.Generator().manual_seed(10 + rank)
+        for _ in range(4):
+            x = torch.randint(0, 50, (8, 3), generator=g)
+            opt.zero_grad()
+            adp(x).pow(2).mean().backward()
+            opt.step()
+        adp.gns.flush()
+        out[sparse] = (_np(model), adp.gns.sqr_avg(), adp.gns.var_avg(), adp.gns.num_updates)
+    return out
+
+
+@pytest.mark.parametrize("ws", [1, 2])
+def test_sparse_gradients_give_the_dense_statistics(ws):
+    # nn.EmbeddingBag(sparse=True) works under DDP; its statistics equal the dense layer's.
+    for res in spawn(_sparse_vs_dense, ws, timeout=TIMEOUT):
+        dense, sparse = res[False], res[True]
+        for a, b in zip(dense[0], sparse[0]):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+        assert sparse[3] == dense[3] > 0
+        assert sparse[1] == pytest.approx(dense[1], rel=1e-5)
+        assert sparse[2] == pytest.approx(dense[2], rel=1e-5)

@@ -135,6 +135,7 @@ def test_step_hooks_scale_then_restore_the_lr():
     assert seen2 == [0.1] and owner2.ended == [(1.0, 1.0)]
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
 def test_a_step_that_raises_does_not_leave_the_lr_scaled():
     owner, opt, seen, closure = _hooked(4.0)
 
@@ -143,7 +144,39 @@ def test_a_step_that_raises_does_not_leave_the_lr_scaled():
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
-        opt.step(failing)  # torch skips the post-hook: lr is left at 0.25 for now
-    opt.step(closure)  # the next pre-hook restores 0.1 before scaling again
-    assert seen == [pytest.approx(0.25), pytest.approx(0.25)]
-    assert opt.param_groups[0]["lr"] == 0.1 and len(owner.ended) == 1
+        opt.step(failing)  # torch skips the post-hook; the guarded closure restored the lr
+    assert opt.param_groups[0]["lr"] == 0.1 and owner.ended == []
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    sched.step()  # a scheduler stepped after the failure decays the unscaled lr
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+    opt.step(closure=closure)  # keyword closure, scaled again from the decayed value
+    assert seen == [pytest.approx(0.25), pytest.approx(0.125)]
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05) and len(owner.ended) == 1
+
+
+class _FailingSGD(torch.optim.SGD):
+    """An optimizer whose own update raises (no closure involved)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.seen = self.param_groups[0]["lr"]
+        raise FloatingPointError("update failed")
+
+
+def test_state_dict_and_restore_lr_after_an_update_that_raised():
+    owner = _Stepper(4.0)
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    opt = _FailingSGD([p], lr=0.1)
+    rule = AdaScale()
+    rule.initialize(owner, opt, patch_optimizer=True)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert opt.seen == pytest.approx(0.25)
+    # A checkpoint taken now sees the unscaled lr; restore_lr puts it back in the groups.
+    assert opt.state_dict()["param_groups"][0]["lr"] == 0.1
+    rule.restore_lr()
+    assert opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(FloatingPointError):
+        rule.step()  # AdaptDL's explicit form restores at once
+    assert opt.param_groups[0]["lr"] == 0.1 and owner.ended == []

@@ -231,6 +231,8 @@ class GoodputFunction:
         max_batch_size: float | None = None,
         atomic_bsz_range: tuple[int | None, int | None] | None = None,
         accumulation: bool = False,
+        *,
+        round_past_max: bool = False,
     ) -> tuple[Any, Any, Any]:
         """Best ``(goodput, atomic_bsz, accum_steps)`` for each (nodes, replicas) allocation.
 
@@ -238,8 +240,9 @@ class GoodputFunction:
         :data:`NUM_CANDIDATES` total batch sizes geometrically between
         ``max(init_batch_size, min_atomic_bsz · num_replicas)`` and ``max_batch_size``, turns each
         into an integer ``(atomic_bsz, accum_steps)``, evaluates all candidates at once and
-        keeps the best. Candidates whose ``atomic_bsz`` falls outside ``atomic_bsz_range`` get
-        goodput 0 (so an all-infeasible allocation returns goodput 0).
+        keeps the best. Candidates whose ``atomic_bsz`` falls outside ``atomic_bsz_range``, or
+        whose rounded-up total exceeds ``max_batch_size`` (unless the smallest candidate's total
+        already does), get goodput 0 (so an all-infeasible allocation returns goodput 0).
 
         * Without ``accumulation``: ``accum_steps = 0``; a single replica keeps
           ``atomic_bsz = init_batch_size`` (it cannot grow its batch without accumulation),
@@ -255,6 +258,9 @@ class GoodputFunction:
             atomic_bsz_range: ``(min, max)`` per-replica micro-batch; ``None`` entries mean
                 ``1`` and ``max_batch_size``.
             accumulation: allow gradient accumulation.
+            round_past_max: keep AdaptDL's rule, where a micro-batch rounded up may take the
+                total past ``max_batch_size`` (the Pollux artifact's simulator decided so; the
+                scheduler's simulation keeps it for fidelity).
 
         Returns:
             ``(goodput, atomic_bsz, accum_steps)``: Python scalars when both allocations are
@@ -309,6 +315,12 @@ class GoodputFunction:
 
         goodput = self.evaluate(nodes, replicas, atomic, accum)
         valid = (min_atomic <= atomic) & (atomic <= max_atomic)
+        # Rounding the micro-batch up may overshoot max_batch_size (40 on 3 replicas → 3 × 14):
+        # such candidates are out, unless the smallest candidate already overshoots (then the
+        # initial batch or the minimum micro-batch forces it, and its total is the floor).
+        if not round_past_max:
+            total = replicas * atomic * (accum + 1)
+            valid &= total <= np.maximum(max_batch_size, total[0])
         goodput = np.where(valid, goodput, 0.0)
         best = np.argmax(goodput, axis=0)
         cols = np.arange(goodput.shape[1])

@@ -520,7 +520,15 @@ def suggest_batch_size(
     )
     atomic, accum = int(atomic), int(extra) + 1
     best_atomic, best_accum = atomic, accum
-    now = float(fn.evaluate(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1))
+    if total >= s.init_batch_size:
+        now = float(
+            fn.evaluate(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1)
+        )
+    else:  # bounds forced a total below the initial batch (e.g. after a rescale to fewer replicas)
+        now = float(
+            fn.throughput(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1)
+            * fn.efficiency(total)
+        )
     if not (np.isfinite(now) and now > 0):
         now = 0.0
     reason = "predicted gain"
@@ -535,7 +543,7 @@ def suggest_batch_size(
     if not atomic and len(set(profiled)) <= 1 and max_batch > total:
         # Exploration: one bounded step up, to measure a second size.
         up = min(max_batch, int(step_total))
-        cand = _configuration(up, num_replicas, hi, s.gradient_accumulation)
+        cand = _configuration(up, num_replicas, lo, hi, s.gradient_accumulation)
         if cand is not None and cand[0] not in profiled:
             value = float(fn.evaluate(num_nodes, num_replicas, cand[0], cand[1] - 1))
             if value >= (1.0 - explore_tolerance) * now:
@@ -565,13 +573,19 @@ def suggest_batch_size(
 
 
 def _configuration(
-    batch: int, num_replicas: int, max_atomic: int, accumulation: bool
+    batch: int, num_replicas: int, min_atomic: int, max_atomic: int, accumulation: bool
 ) -> tuple[int, int] | None:
-    """``(atomic_bsz, accum_steps)`` for a total ``batch`` (micro-batch ≤ ``max_atomic``)."""
-    local = math.ceil(batch / num_replicas)
-    accum = 1
-    if local > max_atomic:
-        if not accumulation:
-            return None
-        accum = math.ceil(local / max_atomic)
-    return math.ceil(local / accum), accum
+    """``(atomic_bsz, accum_steps)`` with a total of at most ``batch`` and a micro-batch in
+    ``[min_atomic, max_atomic]``, or None. A single replica without accumulation cannot grow
+    (the goodput model keeps it at the initial batch)."""
+    if num_replicas == 1 and not accumulation:
+        return None
+    local = batch // num_replicas
+    best = None
+    for accum in {max(1, local // max_atomic), math.ceil(local / max_atomic)}:
+        if accum > 1 and not accumulation:
+            continue
+        atomic = min(max_atomic, local // accum)
+        if atomic >= max(min_atomic, 1) and (best is None or atomic * accum > best[0] * best[1]):
+            best = (atomic, accum)
+    return best

@@ -68,11 +68,17 @@ def _sqnorm(t: torch.Tensor) -> torch.Tensor:
     return torch.dot(t, t)
 
 
+def _values(g: torch.Tensor) -> torch.Tensor:
+    """The flat entries of a gradient: its coalesced values if sparse (an ``Embedding`` with
+    ``sparse=True``), else a flat view."""
+    return g.coalesce().values().reshape(-1) if g.is_sparse else g.reshape(-1)
+
+
 def _sqnorm_all(grads: list[torch.Tensor]) -> torch.Tensor:
-    """``Σ |g|²`` over a list of tensors, as a float64 0-dim tensor."""
-    if all(g.dtype in (torch.float32, torch.float64) for g in grads):
+    """``Σ |g|²`` over a list of tensors (dense or sparse), as a float64 0-dim tensor."""
+    if all(g.dtype in (torch.float32, torch.float64) and not g.is_sparse for g in grads):
         return torch.stack(torch._foreach_norm(grads)).double().square().sum()
-    return torch.stack([_sqnorm(g.reshape(-1)).double() for g in grads]).sum()
+    return torch.stack([_sqnorm(_values(g)).double() for g in grads]).sum()
 
 
 def _inv_scale_sq(scaler: Any) -> torch.Tensor | None:
@@ -89,11 +95,12 @@ def _queue_callback(fn: Any) -> None:
 class _StepCollector:
     """Per-step collection state (not checkpointed).
 
-    ``stats`` marks a sampled step; ``snapshot`` (single replica) keeps this step's gradient
-    for the next step's pair; ``accum`` is the number of micro-batches to divide by. ``local``
-    receives the 0-dim ``|g_i|²`` of each parameter when ``in_hooks`` (R ≥ 2), ``reduce`` the
-    replica's local norm² and its all-reduce in flight, ``result`` the step's measurement
-    (tensors, read one step later), ``sync_time`` the wait measured between the callbacks.
+        ``stats`` marks a sampled step; ``snapshot`` (single replica) keeps this step's gradient
+        for the next step's pair; ``accum`` is the number of micro-batches to divide by. ``local``
+        receives the 0-dim ``|g_i|²`` of each parameter when ``in_hooks`` (R ≥ 2; otherwise of each
+    sparse gradient, which DDP averages before the backward ends), ``reduce`` the
+        replica's local norm² and its all-reduce in flight, ``result`` the step's measurement
+        (tensors, read one step later), ``sync_time`` the wait measured between the callbacks.
     """
 
     __slots__ = (
@@ -432,11 +439,16 @@ class GradientNoiseScale:
         c.reset()
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        """A parameter's local gradient is accumulated: arm the end-of-backward callback."""
+        """A parameter's local gradient is accumulated: arm the end-of-backward callback.
+
+        A sparse gradient's local norm² is taken here: DDP all-reduces sparse gradients on
+        their own and writes the average back before the end of the backward pass."""
         c = self._collector
         if not c.queued:
             c.queued = True
             _queue_callback(self._end_of_backward)
+        if c.stats and c.world_size > 1 and p.grad.is_sparse:
+            c.local.append(_sqnorm(_values(p.grad)))
 
     def _on_grad_norm(self, p: torch.Tensor) -> None:
         """Sampled step: also take the local norm² now (DDP has not launched its bucket)."""
@@ -445,7 +457,7 @@ class GradientNoiseScale:
             c.queued = True
             _queue_callback(self._end_of_backward)
         if c.stats:
-            c.local.append(_sqnorm(p.grad.reshape(-1)))
+            c.local.append(_sqnorm(_values(p.grad)))
 
     def _end_of_backward(self) -> None:
         """Callback queued before DDP's: the backward pass is done, DDP still finishing.
@@ -462,9 +474,12 @@ class GradientNoiseScale:
         if c.stats and c.world_size > 1:
             if c.in_hooks:
                 local = torch.stack(c.local).double().sum() if c.local else None
-            else:
-                grads = [p.grad for p in c.params if p.grad is not None]
-                local = _sqnorm_all(grads) if grads else None
+            else:  # dense gradients are still local here; sparse ones were taken in hooks
+                grads = [p.grad for p in c.params if p.grad is not None and not p.grad.is_sparse]
+                parts = [x.double() for x in c.local]
+                if grads:
+                    parts.append(_sqnorm_all(grads))
+                local = torch.stack(parts).sum() if parts else None
             if local is not None:
                 local = local / float(c.accum * c.accum)
                 inv2 = _inv_scale_sq(c.scaler)
@@ -482,7 +497,11 @@ class GradientNoiseScale:
         if not grads:
             return
         if c.accum > 1:
-            torch._foreach_div_(grads, float(c.accum))
+            if any(g.is_sparse for g in grads):
+                for g in grads:
+                    g.div_(float(c.accum))
+            else:
+                torch._foreach_div_(grads, float(c.accum))
         if not (c.stats or c.snapshot):
             return
         inv2 = _inv_scale_sq(c.scaler)
@@ -494,7 +513,7 @@ class GradientNoiseScale:
                 total = total * inv2
             c.result = (*c.reduce, total)
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
         if inv2 is not None:
             flat = flat * inv2.sqrt().to(flat.dtype)
         prev = c.prev

@@ -113,6 +113,8 @@ class AdaptiveDataParallel(DistributedDataParallel):
         if not (self.training and torch.is_grad_enabled()):
             return super().forward(*args, **kwargs)
         self._restore_grads()
+        if self.scaling_rule._saved_lr is not None:
+            self.scaling_rule.restore_lr()  # a step raised after scaling the lr (else a no-op)
         loader = current_dataloader()
         if loader is not None and not loader.training:
             loader.train()  # the loader we backpropagate from is the training loader
@@ -121,7 +123,15 @@ class AdaptiveDataParallel(DistributedDataParallel):
             accum = max(int(loader.accumulation_steps), 1)
             init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
             self._rt.init_bsz = int(init_bsz)
-            self._rt.scale = float(loader.current_batch_size) / float(init_bsz)
+            scale = float(loader.current_batch_size) / float(init_bsz)
+            if sync and accum > 1:
+                # The last step of a pass may hold fewer micro-batches than planned: average
+                # (and scale the lr and the statistics) by the ones it actually ran.
+                ran = min(int(loader._accum_count) + 1, accum)
+                if ran < accum:
+                    scale *= ran / accum
+                    accum = ran
+            self._rt.scale = scale
             self.gns.set_accum_scale(
                 loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
             )

@@ -16,10 +16,19 @@ How the factor is applied. :meth:`ScalingRuleBase.initialize` registers
 factor, after it the original values are restored, so schedulers and checkpoints only ever see
 the unscaled ``lr``. :meth:`ScalingRuleBase.step` is AdaptDL's explicit form (it just calls
 ``optimizer.step`` when the hooks are installed).
+
+A step that raises skips torch's post-step hooks. The unscaled values still come back: a
+closure passed to ``step`` is wrapped so that its exception restores them at once; otherwise
+they are restored at the next forward of ``AdaptiveDataParallel``, the next step, or
+:meth:`ScalingRuleBase.restore_lr`; and ``optimizer.state_dict()`` (hence every checkpoint)
+reports the unscaled values even in between (a state-dict post-hook). A scheduler stepped right
+after an exception raised by the optimizer's own update, before any of these, would see the
+scaled value.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -51,6 +60,7 @@ class ScalingRuleBase:
         self._handles: list[Any] = []
         self._saved_lr: list[Any] | None = None
         self._in_step = False  # between a real step's pre and post hooks
+        self._in_closure = 0  # inside the closure of a step (which may run forward passes)
         self._step_scale = 1.0
         self.last_factor = 1.0
 
@@ -75,6 +85,7 @@ class ScalingRuleBase:
             self._handles = [
                 optimizer.register_step_pre_hook(self._pre_step_hook),
                 optimizer.register_step_post_hook(self._post_step_hook),
+                optimizer.register_state_dict_post_hook(self._state_dict_hook),
             ]
 
     def detach(self) -> None:
@@ -107,6 +118,39 @@ class ScalingRuleBase:
         self._saved_lr = [pg["lr"] for pg in groups]
         for f, pg in zip(factors, groups):
             pg["lr"] = pg["lr"] * float(f)
+        return self._guard_closure(optimizer, args, kwargs)
+
+    def _guard_closure(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        """Wrap a closure passed to ``step`` so that its exception restores the ``lr`` values
+        (torch runs no post-step hook after an exception). ``args[0]`` is the optimizer."""
+        if len(args) > 1 and callable(args[1]):
+            closure = args[1]
+        elif callable(kwargs.get("closure")):
+            closure = kwargs["closure"]
+        else:
+            return None
+
+        def guarded(*a: Any, **k: Any) -> Any:
+            self._in_closure += 1
+            try:
+                return closure(*a, **k)
+            except BaseException:
+                self._in_step = False
+                self._restore_lr(optimizer)
+                raise
+            finally:
+                self._in_closure -= 1
+
+        if len(args) > 1:
+            return (args[0], guarded, *args[2:]), kwargs
+        return args, {**kwargs, "closure": guarded}
+
+    def _state_dict_hook(self, optimizer: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``optimizer.state_dict()`` reports the unscaled ``lr`` even inside a step."""
+        if self._saved_lr is not None:
+            for lr, pg in zip(self._saved_lr, state_dict["param_groups"]):
+                pg["lr"] = lr
+        return state_dict
 
     def _post_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if not self._in_step:
@@ -114,6 +158,13 @@ class ScalingRuleBase:
         self._in_step = False
         self._restore_lr(optimizer)
         self.adp._end_optimizer_step(self._step_scale, self.last_factor)
+
+    def restore_lr(self) -> None:
+        """Put back the unscaled ``lr`` values if a step that raised left them scaled (a no-op
+        otherwise, and inside a step's closure)."""
+        if self._optimizer is not None and not self._in_closure:
+            self._in_step = False
+            self._restore_lr(self._optimizer)
 
     def _restore_lr(self, optimizer: Any) -> None:
         """Put back the unscaled ``lr`` values saved by the pre-step hook, if any."""
@@ -128,17 +179,37 @@ class ScalingRuleBase:
         if self.adp is None or self._optimizer is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
         if self._handles:
-            return self._optimizer.step(*args, **kwargs)
-        self._pre_step_hook(self._optimizer, args, kwargs)
+            try:
+                return self._optimizer.step(*args, **kwargs)
+            except BaseException:
+                self._in_step = False
+                self._restore_lr(self._optimizer)
+                raise
+        guarded = self._pre_step_hook(self._optimizer, (self._optimizer, *args), kwargs)
+        if guarded is not None:
+            args, kwargs = tuple(guarded[0][1:]), guarded[1]
         try:
             return self._optimizer.step(*args, **kwargs)
+        except BaseException:
+            self._in_step = False
+            raise
         finally:
-            self._post_step_hook(self._optimizer, args, kwargs)
+            if self._in_step:
+                self._post_step_hook(self._optimizer, args, kwargs)
+            else:
+                self._restore_lr(self._optimizer)
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
-        """``optimizer.zero_grad``; a no-op in the middle of gradient accumulation."""
+        """``optimizer.zero_grad``; a no-op in the middle of gradient accumulation (as
+        ``AdaptiveDataParallel.zero_grad``), so AdaptDL's per-micro-batch loop keeps the
+        micro-batches accumulated so far."""
         if self._optimizer is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
+        adp = self.adp
+        if adp is not None and hasattr(adp, "zero_grad") and hasattr(adp, "_rt"):
+            if adp._rt.stash or not adp._rt.last_sync:
+                warnings.warn("zero_grad skipped: gradients are being accumulated", stacklevel=2)
+                return
         self._optimizer.zero_grad(*args, **kwargs)
 
     # ----- helpers ------------------------------------------------------------------------------
