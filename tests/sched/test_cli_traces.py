@@ -101,3 +101,102 @@ def test_grad_stats_and_progress(tiny_app_writer, tmp_path):
     assert app.get_progress(1) == 50.0 and app.get_progress(2) == 110.0
     with pytest.raises(ValueError, match="outside"):
         app.get_grad_stats(32, 0)
+
+
+# ---- review fixes: settings reach the policies, validation, strict JSON, plot folder ------
+
+
+def test_make_policy_passes_cluster_settings():
+    from adaptrain.cli.simulate import make_policy
+    from adaptrain.sched import PolluxPolicy, WaterfillPolicy
+
+    wf = make_policy("waterfill", seed=3, gpus_per_node=2, restart_delay=10.0, interval=45.0)
+    assert (wf.gpus_per_node, wf.restart_delay, wf.round_seconds) == (2, 10.0, 45.0)
+    assert wf._runs[0].restart_delay == 10.0  # the genetic refinement's restart factor too
+    po = make_policy("pollux", seed=3, restart_delay=10.0)
+    assert po.restart_delay == 10.0
+    # the CLI's defaults are the policies' own defaults (the standard configuration)
+    d_wf, d_po = make_policy("waterfill"), make_policy("pollux")
+    ref_wf, ref_po = WaterfillPolicy(), PolluxPolicy()
+    assert (d_wf.gpus_per_node, d_wf.restart_delay, d_wf.round_seconds) == (
+        ref_wf.gpus_per_node,
+        ref_wf.restart_delay,
+        ref_wf.round_seconds,
+    )
+    assert d_po.restart_delay == ref_po.restart_delay
+
+
+def test_waterfill_from_cli_uses_the_node_size():
+    # 4 nodes x 2 GPUs, one perfectly scalable job that may use 8 GPUs: with the real node size
+    # the local search packs it on all 4 nodes (with 4-GPU nodes assumed it stopped at 6).
+    from adaptrain.cli.simulate import make_policy
+    from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo
+
+    nodes = {i: NodeInfo(2) for i in range(4)}
+    job = JobInfo(
+        creation_timestamp=0.0,
+        max_replicas=8,
+        speedup_fn=LinearSpeedup(),
+        age=600.0,
+        remaining_work=1e6,
+        max_profiled_replicas=8,
+    )
+    policy = make_policy("waterfill", gpus_per_node=2)
+    policy._runs = []  # the local search alone (its genetic refinement hid the wrong size)
+    assert len(policy.optimize({"a": job}, nodes, {}, 0.0)["a"]) == 8
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--interval", "0"),
+        ("--interval", "nan"),
+        ("--nodes", "0"),
+        ("--gpus-per-node", "0"),
+        ("--restart-delay", "-5"),
+        ("--interference", "1"),
+        ("--interference", "1.5"),
+    ],
+)
+def test_cli_rejects_bad_settings(tiny_traces, tmp_path, capsys, flag, value):
+    wl = _workload(tmp_path, [("a", 0, "toy", 1, 8)])
+    rc = main(["simulate", wl, "--traces", tiny_traces, "--policy", "tiresias", flag, value])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adaptrain simulate: ") and flag in err and "Traceback" not in err
+
+
+def test_cli_rejects_duplicate_job_names(tiny_traces, tmp_path, capsys):
+    wl = _workload(tmp_path, [("a", 0, "toy", 1, 8), ("a", 10, "toy", 1, 8)])
+    rc = main(["simulate", wl, "--traces", tiny_traces, "--policy", "tiresias", "--json"])
+    assert rc == 2
+    assert "duplicate job names ['a']" in capsys.readouterr().err
+
+
+def test_cli_json_of_an_empty_workload_is_strict_json(tiny_traces, tmp_path, capsys):
+    wl = _workload(tmp_path, [])
+    rc = main(["simulate", wl, "--traces", tiny_traces, "--policy", "tiresias", "--json"])
+    assert rc == 0
+
+    def no_nan(name):
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    out = json.loads(capsys.readouterr().out, parse_constant=no_nan)
+    assert out["avg_jct"] is None and out["p99_jct"] is None and out["num_jobs"] == 0
+
+
+def test_cli_plot_into_a_missing_folder(tiny_traces, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    wl = _workload(tmp_path, [("a", 0, "toy", 1, 8)])
+    png = os.path.join(str(tmp_path), "new", "sub", "out.png")
+    args = ["simulate", wl, "--traces", tiny_traces, "--policy", "tiresias", "--no-progress"]
+    assert main([*args, "--plot", png]) == 0
+    assert os.path.getsize(png) > 1000
+    # a folder that cannot be created is reported before simulating, with exit code 2
+    blocker = os.path.join(str(tmp_path), "file")
+    with open(blocker, "w") as f:
+        f.write("x")
+    capsys.readouterr()
+    assert main([*args, "--plot", os.path.join(blocker, "out.png")]) == 2
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "avg JCT" not in captured.out

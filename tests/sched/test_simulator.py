@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from adaptrain.sched import (
     OptimusPolicy,
     PolluxPolicy,
+    SimulationStalled,
     Simulator,
     TiresiasPolicy,
     WaterfillPolicy,
@@ -92,3 +94,115 @@ def test_baselines_reproduce_artifact_workload6(policy_cls, real_data):
     stored = _stored(real_data, policy.name, "workload-6")
     assert len(res.jcts) == 160
     assert res.avg_jct == pytest.approx(stored, rel=0.02)
+
+
+# ---- review fixes: limits, stalls, duplicate names, fractional intervals, validation --------
+
+
+def test_fixed_job_larger_than_cluster_is_capped_and_the_run_ends(tiny_traces, caplog):
+    # "big" asks for 8 GPUs on a 4-GPU cluster: capped at 4 (batch 16 on 4 replicas, gain 1,
+    # 1 progress/s), it runs first: 60 + 30 + 120 = 210 s. "small" waits for it, is placed at
+    # the round ending at 240 and finishes at 240 + 30 + 120 = 390 s.
+    apps = load_applications(tiny_traces)
+    w = [WorkloadJob("big", 0.0, "toy", 8, 16), WorkloadJob("small", 0.0, "toy", 1, 8)]
+    with caplog.at_level(logging.WARNING, logger="adaptrain.sched.simulator"):
+        sim = Simulator(w, apps, TiresiasPolicy(), num_nodes=1, gpus_per_node=4)
+    assert "big (8 -> 4)" in caplog.text
+    assert [j.target_num_replicas for j in sim.jobs] == [4, 1]
+    res = sim.run(max_time=10_000)
+    assert res.jcts == {"big": 210.0, "small": 390.0}
+
+
+class _NeverPolicy:
+    """A policy that never places anything (the remaining jobs can never run)."""
+
+    name = "never"
+
+    def optimize(self, jobs, nodes, base_allocations, time):
+        return {}
+
+
+def test_run_raises_when_no_remaining_job_is_ever_scheduled(tiny_traces):
+    apps = load_applications(tiny_traces)
+    w = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("late", 1000.0, "toy", 1, 8)]
+    sim = Simulator(w, apps, _NeverPolicy(), num_nodes=1, gpus_per_node=4)
+    with pytest.raises(SimulationStalled, match=r"stalled.*'late'"):
+        sim.run(stall_rounds=5)
+    # idle rounds count only once every job is submitted: rounds ending 1020, ..., 1260
+    assert sim.current_time == 1260.0
+    assert isinstance(SimulationStalled("x"), RuntimeError)
+    with pytest.raises(ValueError, match="stall_rounds"):
+        sim.run(stall_rounds=0)
+
+
+def test_duplicate_job_names_are_rejected(tiny_traces, tmp_path):
+    apps = load_applications(tiny_traces)
+    w = [WorkloadJob("a", 0.0, "toy", 1, 8), WorkloadJob("a", 5.0, "toy", 1, 8)]
+    with pytest.raises(ValueError, match=r"duplicate job names.*\['a'\]"):
+        Simulator(w, apps, TiresiasPolicy(), num_nodes=1)
+    path = tmp_path / "w.csv"
+    path.write_text(
+        "name,time,application,num_replicas,batch_size\n"
+        "a,0,toy,1,8\nb,1,toy,1,8\na,2,toy,1,8\nb,3,toy,1,8\nc,4,toy,1,8\n"
+    )
+    with pytest.raises(ValueError, match=r"duplicate job names \['a', 'b'\]"):
+        load_workload(str(path))
+
+
+@pytest.mark.parametrize(
+    ("interval", "jct"),
+    [(60, 210.0), (1, 151.0), (200, 350.0), (45.5, 195.5), (0.5, 150.5), (7.3, 157.3)],
+)
+def test_completion_time_for_any_interval(tiny_traces, interval, jct):
+    # One 1-GPU job submitted at 0, placed at the first round's end, 30 s restart, then 120 s
+    # of training at 1 progress/s (epoch ends at 60 and 120): JCT = interval + 150 s exactly.
+    apps = load_applications(tiny_traces)
+    w = [WorkloadJob("a", 0.0, "toy", 1, 8)]
+    sim = Simulator(w, apps, TiresiasPolicy(), num_nodes=1, gpus_per_node=4, interval=interval)
+    res = sim.run(max_time=10_000)
+    assert res.jcts["a"] == pytest.approx(jct, abs=1e-9)
+    assert sim.jobs[0].attained_service == pytest.approx(150.0, abs=1e-9)
+    if float(interval).is_integer():  # the artifact's whole-second arithmetic, exactly
+        assert res.jcts["a"] == jct
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"interval": 0}, "interval"),
+        ({"interval": float("nan")}, "interval"),
+        ({"num_nodes": 0}, "num_nodes"),
+        ({"gpus_per_node": 0}, "gpus_per_node"),
+        ({"restart_delay": -5.0}, "restart_delay"),
+        ({"interference": 1.0}, "interference"),
+        ({"interference": -0.1}, "interference"),
+    ],
+)
+def test_bad_simulator_settings_are_rejected(tiny_traces, kwargs, match):
+    apps = load_applications(tiny_traces)
+    with pytest.raises(ValueError, match=match):
+        Simulator([WorkloadJob("a", 0.0, "toy", 1, 8)], apps, TiresiasPolicy(), **kwargs)
+
+
+def test_jobs_never_get_more_replicas_than_the_traces_measure(real_data):
+    # 17 nodes x 4 = 68 GPUs; the traces measure at most 64 replicas.
+    apps = load_applications(os.path.join(real_data, "traces"), ["imagenet"])
+    w = [WorkloadJob("j", 0.0, "imagenet", 68, 6400)]
+    sim = Simulator(w, apps, TiresiasPolicy(), num_nodes=17, gpus_per_node=4)
+    assert sim.jobs[0].target_num_replicas == 64
+    sim.run(max_time=300)  # used to fail at t=60: no throughput for 68 replicas
+    assert len(sim.allocations["j"]) == 64
+    adaptive = Simulator(w, apps, WaterfillPolicy(search="local"), num_nodes=17)
+    assert adaptive.job_info(adaptive.jobs[0]).replica_limit == 64
+    assert apps["imagenet"].max_measured_replicas == 64
+
+
+def test_speedup_table_covers_clusters_above_256_gpus(real_data):
+    # 80 nodes x 4 = 320 GPUs: the speedup memo table must cover the whole cluster
+    apps = load_applications(os.path.join(real_data, "traces"), ["imagenet"])
+    w = [WorkloadJob("j", 0.0, "imagenet", 1, apps["imagenet"].init_batch_size)]
+    sim = Simulator(w, apps, WaterfillPolicy(search="local"), num_nodes=80, gpus_per_node=4)
+    sim.run(max_time=180)
+    fn = sim.jobs[0].speedup_fn()
+    assert sim.jobs[0].perf_params is not None
+    assert float(fn(80, 320)) > 0 and float(fn(70, 300)) > 0

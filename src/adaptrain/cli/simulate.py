@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 
@@ -16,19 +17,64 @@ HELP = "replay a cluster workload trace under a scheduling policy (trace-driven 
 POLICIES = ("waterfill", "pollux", "tiresias", "optimus")
 
 
-def make_policy(name: str, seed: int = 0):
-    """Build a policy by name (``waterfill`` is our default)."""
+def make_policy(
+    name: str,
+    seed: int = 0,
+    *,
+    gpus_per_node: int = 4,
+    restart_delay: float = 30.0,
+    interval: float = 60.0,
+):
+    """Build a policy by name (``waterfill`` is our default) for a cluster of
+    ``gpus_per_node``-GPU nodes scheduled every ``interval`` seconds with restarts costing
+    ``restart_delay`` seconds. Each setting goes to the policies that have a matching parameter
+    (waterfill: all three and ``seed``; pollux: ``restart_delay`` and ``seed``; Tiresias and
+    Optimus have none); the defaults are the policies' own defaults."""
     from adaptrain.sched import OptimusPolicy, PolluxPolicy, TiresiasPolicy, WaterfillPolicy
 
     if name == "waterfill":
-        return WaterfillPolicy()
+        return WaterfillPolicy(
+            restart_delay=restart_delay,
+            gpus_per_node=gpus_per_node,
+            round_seconds=interval,
+            seed=seed,
+        )
     if name == "pollux":
-        return PolluxPolicy(seed=seed)
+        return PolluxPolicy(restart_delay=restart_delay, seed=seed)
     if name == "tiresias":
         return TiresiasPolicy()
     if name == "optimus":
         return OptimusPolicy()
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
+
+
+def _check_settings(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming the first bad cluster/simulation setting and its fix."""
+    if not (math.isfinite(args.interval) and args.interval > 0):
+        raise ValueError(f"--interval {args.interval} must be a number of seconds > 0")
+    if args.nodes < 1:
+        raise ValueError(f"--nodes {args.nodes} must be >= 1")
+    if args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node {args.gpus_per_node} must be >= 1")
+    if not (math.isfinite(args.restart_delay) and args.restart_delay >= 0):
+        raise ValueError(
+            f"--restart-delay {args.restart_delay} must be a number of seconds >= 0 "
+            "(0: free restarts)"
+        )
+    if not 0.0 <= args.interference < 1.0:
+        raise ValueError(
+            f"--interference {args.interference} must lie in [0, 1): the fraction of goodput "
+            "lost by multi-node jobs sharing nodes (1 would stop them)"
+        )
+
+
+def _json_safe(value):
+    """``value`` with non-finite floats (e.g. the mean JCT of no jobs) as ``None`` (null)."""
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,47 +94,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         required=default is None,
         help=f"folder of per-model profiles (default: {default})",
     )
-    parser.add_argument("--interval", type=float, default=60.0, help="scheduling interval, s")
-    parser.add_argument("--nodes", type=int, default=16, help="number of nodes")
-    parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node")
-    parser.add_argument("--restart-delay", type=float, default=30.0, help="restart cost, s")
+    parser.add_argument("--interval", type=float, default=60.0, help="scheduling interval, s (> 0)")
     parser.add_argument(
-        "--interference", type=float, default=0.0, help="slowdown of co-located multi-node jobs"
+        "--nodes",
+        type=int,
+        default=16,
+        help="number of nodes (a Tiresias job asking for more GPUs than the cluster has, or "
+        "than the traces measure, is capped at that size, with a warning)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of Pollux's genetic search")
+    parser.add_argument("--gpus-per-node", type=int, default=4, help="GPUs per node")
+    parser.add_argument("--restart-delay", type=float, default=30.0, help="restart cost, s (>= 0)")
+    parser.add_argument(
+        "--interference",
+        type=float,
+        default=0.0,
+        help="slowdown of co-located multi-node jobs, a fraction in [0, 1)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the genetic searches (pollux, waterfill)"
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="JCT CDF and allocations over time")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaptrain.sched.simulator import Simulator
+    from adaptrain.sched.simulator import SimulationStalled, Simulator
     from adaptrain.sched.traces import load_applications, load_workload
 
+    names = args.policy or ["waterfill"]
     try:
+        _check_settings(args)
+        if args.plot:
+            _prepare_plot(args.plot)
         workload = load_workload(args.workload)
         apps = load_applications(args.traces, sorted({w.application for w in workload}))
+        sims = {
+            name: Simulator(
+                workload,
+                apps,
+                make_policy(
+                    name,
+                    seed=args.seed,
+                    gpus_per_node=args.gpus_per_node,
+                    restart_delay=args.restart_delay,
+                    interval=args.interval,
+                ),
+                num_nodes=args.nodes,
+                gpus_per_node=args.gpus_per_node,
+                interval=args.interval,
+                restart_delay=args.restart_delay,
+                interference=args.interference,
+                record_timeline=bool(args.plot),
+            )
+            for name in names
+        }
     except ValueError as exc:
         print(f"adaptrain simulate: {exc}", file=sys.stderr)
         return 2
-    names = args.policy or ["waterfill"]
     results = {}
-    for name in names:
-        sim = Simulator(
-            workload,
-            apps,
-            make_policy(name, seed=args.seed),
-            num_nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node,
-            interval=args.interval,
-            restart_delay=args.restart_delay,
-            interference=args.interference,
-            record_timeline=bool(args.plot),
-        )
-        results[name] = sim.run(progress=not args.no_progress and not args.json)
+    for name, sim in sims.items():
+        try:
+            results[name] = sim.run(progress=not args.no_progress and not args.json)
+        except SimulationStalled as exc:
+            print(f"adaptrain simulate: {name}: {exc}", file=sys.stderr)
+            return 1
     if args.json:
-        out = {n: r.summary() for n, r in results.items()}
-        print(json.dumps(out[names[0]] if len(names) == 1 else out, indent=2))
+        out = {n: _json_safe(r.summary()) for n, r in results.items()}
+        print(json.dumps(out[names[0]] if len(names) == 1 else out, indent=2, allow_nan=False))
     else:
         print(f"workload: {os.path.basename(args.workload)}  ({len(workload)} jobs)")
         for name, r in results.items():
@@ -106,3 +179,19 @@ def run(args: argparse.Namespace) -> int:
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _prepare_plot(path: str) -> None:
+    """Before simulating: matplotlib is importable and ``path``'s folder exists (created if
+    missing); ``ValueError`` otherwise."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ValueError(f"--plot {path} needs matplotlib: pip install matplotlib") from exc
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--plot {path}: cannot create folder {folder!r} ({exc})") from exc
+    if os.path.isdir(path):
+        raise ValueError(f"--plot {path} is a folder; give a file name such as {path}/out.png")

@@ -3,7 +3,7 @@
 from .optimus import OptimusPolicy
 from .policy_base import Allocation, JobInfo, NodeInfo, Policy, check_allocations
 from .pollux import PolluxPolicy
-from .simulator import SimJob, SimResult, Simulator
+from .simulator import SimJob, SimResult, SimulationStalled, Simulator
 from .speedup import ExploringSpeedup, LinearSpeedup, RampSpeedup, SpeedupFunction
 from .tiresias import TiresiasPolicy
 from .traces import Application, WorkloadJob, load_applications, load_workload
@@ -22,6 +22,7 @@ __all__ = [
     "RampSpeedup",
     "SimJob",
     "SimResult",
+    "SimulationStalled",
     "Simulator",
     "SpeedupFunction",
     "TiresiasPolicy",

@@ -13,6 +13,17 @@ Adaptive jobs (no fixed batch size) learn their goodput model online exactly lik
 newly observed (nodes, replicas, local batch) configuration is added to a profile to which
 ``fit_perf_params`` is refitted, and between epochs the batch size is re-optimised with
 ``GoodputFunction.optimize``. JCT = completion time - submission time.
+
+Times: as in the artifact, the time to cross an epoch boundary is rounded to whole seconds when
+the round length, the job's clock and its restart delay are whole (the standard configuration:
+60 s rounds, 30 s restarts); otherwise (e.g. ``interval=45.5``) it is kept exact.
+
+Limits: a job never gets more replicas than the cluster has GPUs nor more than its application's
+traces measure (64 in the artifact's traces: no throughput is known beyond). A fixed-size
+(Tiresias) job asking for more is capped at that size, with a warning, so that a comparison on a
+smaller cluster still runs every policy. Job names must be unique. :meth:`Simulator.run` raises
+:class:`SimulationStalled` when every job has been submitted but none has been allocated a GPU
+for ``stall_rounds`` rounds in a row (a policy that can never place the remaining jobs).
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time as _time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -31,10 +43,14 @@ from .traces import Application, WorkloadJob
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SimJob", "SimResult", "Simulator", "job_kind_for_policy"]
+__all__ = ["SimJob", "SimResult", "SimulationStalled", "Simulator", "job_kind_for_policy"]
 
 # profile (sorted items) -> fitted PerfParams, shared by all jobs and simulations
 _FIT_CACHE: dict[tuple, object] = {}
+
+
+class SimulationStalled(RuntimeError):
+    """Every job has been submitted, some are unfinished, and none runs any more."""
 
 
 def job_kind_for_policy(policy_name: str) -> str:
@@ -56,6 +72,8 @@ class SimJob:
         target_batch_size: int | None = None,
         adaptive: bool = False,
         restart_delay: float = 30.0,
+        max_nodes: int = 64,
+        max_replicas: int = 256,
     ) -> None:
         self.name = name
         self.app = app
@@ -64,6 +82,10 @@ class SimJob:
         self.target_batch_size = target_batch_size
         self.adaptive = adaptive  # learns a goodput model (needed by goodput-based policies)
         self.restart_delay = restart_delay
+        # size of the speedup memo table: at least the cluster (``speedup_fn`` is never asked
+        # about more nodes or replicas than the cluster has)
+        self.max_nodes = max_nodes
+        self.max_replicas = max_replicas
         self.completion_time: float | None = None
         self.current_time = 0.0
         self.rescale_time = 0.0
@@ -101,6 +123,8 @@ class SimJob:
                 max_batch_size=app.max_batch_size,
                 atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
                 accumulation=True,
+                max_nodes=self.max_nodes,
+                max_replicas=self.max_replicas,
             )
             self._speedup_cache = (key, fn)
         return self._speedup_cache[1]
@@ -119,6 +143,7 @@ class SimJob:
                 max_batch_size=app.max_batch_size,
                 atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
                 accumulation=True,
+                round_past_max=True,  # the artifact's (AdaptDL's) rule, for fidelity
             )
             self.atomic_bsz, self.accum_steps = int(atomic), int(accum)
         else:
@@ -162,7 +187,16 @@ class SimJob:
 
     # ---- dynamics ---------------------------------------------------------------------------
     def step(self, seconds: float, interference: float = 0.0) -> None:
-        """Advance ``seconds`` of wall time on the current placement."""
+        """Advance ``seconds`` of wall time on the current placement.
+
+        The time to an epoch boundary is rounded to whole seconds (as in the artifact) only when
+        ``seconds``, the job's clock and its restart delay are all whole; it is exact otherwise.
+        """
+        whole = (
+            float(seconds).is_integer()
+            and float(self.current_time).is_integer()
+            and float(self.restart_delay).is_integer()
+        )
         if not self.placement:
             self.current_time += seconds
             return
@@ -195,7 +229,10 @@ class SimJob:
                 seconds = 0
             else:
                 self.epoch += 1
-                delta = round(float((next_progress - self.progress) / goodput))
+                delta = float((next_progress - self.progress) / goodput)
+                if whole:  # the artifact's rounding; then delta <= seconds already
+                    delta = round(delta)
+                delta = min(delta, seconds)
                 if self.epoch > app.get_completion_epoch(batch_size):
                     self.completion_time = self.current_time + delta
                 self.progress = next_progress
@@ -307,10 +344,24 @@ class Simulator:
         check: bool = True,
         record_timeline: bool = False,
     ) -> None:
-        if interval <= 0:
-            raise ValueError(f"interval={interval} must be > 0 seconds")
+        if not (math.isfinite(interval) and interval > 0):
+            raise ValueError(f"interval={interval} must be a finite number of seconds > 0")
         if num_nodes < 1 or gpus_per_node < 1:
-            raise ValueError(f"cluster {num_nodes}x{gpus_per_node} must have >= 1 GPU")
+            raise ValueError(
+                f"cluster of num_nodes={num_nodes} x gpus_per_node={gpus_per_node} must have "
+                ">= 1 node and >= 1 GPU per node"
+            )
+        if not (math.isfinite(restart_delay) and restart_delay >= 0):
+            raise ValueError(
+                f"restart_delay={restart_delay} must be a finite number of seconds >= 0 "
+                "(0: restarts are free)"
+            )
+        if not 0.0 <= interference < 1.0:
+            raise ValueError(
+                f"interference={interference} must lie in [0, 1): the fraction of goodput a "
+                "multi-node job loses on shared nodes (1 would stop it)"
+            )
+        _check_unique_names([w.name for w in workload])
         self.policy = policy
         self.kind = job_kind_for_policy(getattr(policy, "name", ""))
         self.num_nodes = num_nodes
@@ -321,15 +372,29 @@ class Simulator:
         self.record_timeline = record_timeline
         self.current_time = 0.0
         self.jobs: list[SimJob] = []
+        capacity = num_nodes * gpus_per_node
+        capped: list[str] = []
         for w in workload:
             if w.application not in applications:
                 raise ValueError(
                     f"job {w.name!r} uses application {w.application!r}; known: {sorted(applications)}"
                 )
             app = applications[w.application]
-            kw: dict = {"restart_delay": restart_delay}
+            kw: dict = {
+                "restart_delay": restart_delay,
+                "max_nodes": max(64, num_nodes),
+                "max_replicas": max(256, capacity),
+            }
             if self.kind == "fixed":
-                kw.update(target_num_replicas=w.num_replicas, target_batch_size=w.batch_size)
+                if w.num_replicas < 1:
+                    raise ValueError(
+                        f"job {w.name!r} asks for num_replicas={w.num_replicas}; a fixed-size "
+                        "job needs >= 1"
+                    )
+                replicas = min(w.num_replicas, self.replica_cap(app))
+                if replicas < w.num_replicas:
+                    capped.append(f"{w.name} ({w.num_replicas} -> {replicas})")
+                kw.update(target_num_replicas=replicas, target_batch_size=w.batch_size)
             elif self.kind == "batch":
                 kw.update(target_batch_size=w.batch_size)
             else:
@@ -337,10 +402,23 @@ class Simulator:
                 if app.name == "ncf":  # as in the artifact: ncf runs at a fixed batch size
                     kw.update(target_batch_size=32768)
             self.jobs.append(SimJob(w.name, app, w.time, **kw))
+        if capped:
+            logger.warning(
+                "%d fixed-size job(s) ask for more replicas than the cluster (%d GPUs) has or "
+                "than their application's traces measure; capped at that size: %s",
+                len(capped),
+                capacity,
+                ", ".join(capped[:10]) + (", ..." if len(capped) > 10 else ""),
+            )
         self.allocations: Allocation = {}
         self.policy_seconds: list[float] = []
         self.used_gpu_rounds: list[int] = []
         self.timeline: list[dict] = []
+
+    def replica_cap(self, app: Application) -> int:
+        """The most replicas any job of ``app`` may get: the cluster's GPUs, and the largest
+        replica count its traces measure (no throughput is known beyond)."""
+        return min(self.num_nodes * self.gpus_per_node, app.max_measured_replicas)
 
     def node_infos(self) -> dict[int, NodeInfo]:
         return {i: NodeInfo(self.gpus_per_node) for i in range(self.num_nodes)}
@@ -357,13 +435,13 @@ class Simulator:
             return JobInfo(
                 creation_timestamp=job.submission_time,
                 attained_service=job.attained_service,
-                max_replicas=1 if job.app.name == "ncf" else app["batch_max_replicas"],
+                max_replicas=1
+                if job.app.name == "ncf"
+                else min(app["batch_max_replicas"], self.replica_cap(job.app)),
                 step_time_fn=job.step_time_fn(),
                 remaining_steps=job.remaining_steps(),
             )
-        limit = min(
-            self.num_nodes * self.gpus_per_node, job.app.max_batch_size // job.app.min_local_bsz
-        )
+        limit = min(self.replica_cap(job.app), job.app.max_batch_size // job.app.min_local_bsz)
         if job.app.name == "ncf":
             limit = 1
         # the exploration cap: at most twice the largest size the job has run on
@@ -448,8 +526,19 @@ class Simulator:
         progress: bool = False,
         max_time: float | None = None,
         callback: Callable[[Simulator], None] | None = None,
+        stall_rounds: int = 100,
     ) -> SimResult:
-        """Simulate until every job completes (or ``max_time`` seconds of simulated time)."""
+        """Simulate until every job completes (or ``max_time`` seconds of simulated time).
+
+        Raises :class:`SimulationStalled` once every job has been submitted and, for
+        ``stall_rounds`` rounds in a row, unfinished jobs remain but none holds a GPU: the
+        policy will not place them (e.g. a job larger than the cluster), and the simulation
+        would otherwise never end.
+        """
+        if stall_rounds < 1:
+            raise ValueError(f"stall_rounds={stall_rounds} must be >= 1")
+        last_submission = max((j.submission_time for j in self.jobs), default=0.0)
+        idle_rounds = 0
         bar = None
         if progress:
             from tqdm import tqdm
@@ -461,6 +550,22 @@ class Simulator:
             if max_time is not None and self.current_time >= max_time:
                 break
             self.step()
+            if self.allocations or self.current_time < last_submission or self.all_complete():
+                idle_rounds = 0
+            else:
+                idle_rounds += 1
+                if idle_rounds >= stall_rounds:
+                    if bar is not None:
+                        bar.close()
+                    pending = [j.name for j in self.jobs if j.completion_time is None]
+                    raise SimulationStalled(
+                        f"simulation stalled at t={self.current_time:g} s: every job has been "
+                        f"submitted, but for {idle_rounds} rounds policy "
+                        f"{getattr(self.policy, 'name', self.policy)!r} placed none of the "
+                        f"{len(pending)} unfinished job(s) {pending[:10]}; they cannot be "
+                        "scheduled on this cluster (check their sizes against "
+                        f"{self.num_nodes} x {self.gpus_per_node} GPUs)"
+                    )
             if bar is not None:
                 done = sum(j.completion_time is not None for j in self.jobs)
                 bar.update(self.interval)
@@ -485,6 +590,16 @@ class Simulator:
             policy_seconds=list(self.policy_seconds),
             timeline=self.timeline,
             restarts={j.name: j.num_restarts or 0 for j in self.jobs},
+        )
+
+
+def _check_unique_names(names: Sequence[str]) -> None:
+    """Raise ``ValueError`` naming the job names that occur more than once."""
+    dups = sorted(name for name, count in Counter(names).items() if count > 1)
+    if dups:
+        raise ValueError(
+            f"duplicate job names in the workload: {dups}; every job needs its own name "
+            "(the simulator and the policies key jobs by name)"
         )
 
 

@@ -75,6 +75,7 @@ class SpeedupFunction:
                 max_batch_size=self._max_batch_size,
                 atomic_bsz_range=self._atomic_bsz_range,
                 accumulation=self._accumulation,
+                round_past_max=True,  # the artifact's (AdaptDL's) rule, for fidelity
             )
             self._table[pairs[0], pairs[1]] = np.asarray(g, dtype=np.float64)
             out = self._table[n, r]

@@ -21,6 +21,7 @@ progress at the end of an epoch is the smallest across batch sizes.
 
 from __future__ import annotations
 
+import collections
 import csv
 import glob
 import logging
@@ -211,6 +212,13 @@ class Application:
             self._nd_interp = LinearNDInterpolator(np.array(xs), np.array(ys))
         return self._nd_interp
 
+    @property
+    def max_measured_replicas(self) -> int:
+        """The largest replica count in ``placements.csv`` and ``scalability.csv``: no
+        throughput is known beyond it (interpolation needs measurements on both sides)."""
+        reps = self._pl_reps.tolist() + self._scal["num_replicas"].tolist()
+        return int(max(reps))
+
     def measurements(self) -> dict[str, np.ndarray]:
         """Every throughput measurement of ``placements.csv`` and ``scalability.csv`` as arrays
         ``num_nodes``, ``num_replicas``, ``local_bsz``, ``step_time``, ``sync_time`` (copies)."""
@@ -267,7 +275,7 @@ def load_workload(path: str) -> list[WorkloadJob]:
     need = {"name", "time", "application", "num_replicas", "batch_size"}
     if rows and not need <= set(rows[0]):
         raise ValueError(f"workload {path!r} lacks columns {sorted(need - set(rows[0]))}")
-    return [
+    jobs = [
         WorkloadJob(
             r["name"],
             float(r["time"]),
@@ -277,6 +285,14 @@ def load_workload(path: str) -> list[WorkloadJob]:
         )
         for r in rows
     ]
+    counts = collections.Counter(j.name for j in jobs)
+    dups = sorted(name for name, count in counts.items() if count > 1)
+    if dups:
+        raise ValueError(
+            f"workload {path!r} has duplicate job names {dups}; every job needs its own name "
+            "(the simulator keys jobs by name)"
+        )
+    return jobs
 
 
 def default_traces_dir() -> str | None:
