@@ -534,3 +534,19 @@ def test_fp16_min_scale_raises():
         _fp16_step(model, opt, x, y)
     with pytest.raises(ValueError, match="horovod"):
         FP16Optimizer(model, 1, use_horovod=True, average_world=True)
+
+
+def test_sparsify_gradients_indices_are_exact_in_half_precision():
+    # 5000 fp16 entries: fp16 holds integers exactly only up to 2048.
+    p = torch.nn.Parameter(torch.zeros(5000, dtype=torch.float16))
+    opt = SparsifiedSGD([p], lr=1.0, sparse_grad_size=3, random_sparse=True, seed=3)
+    p.grad = torch.arange(5000, dtype=torch.float16) / 5000
+    sparse = opt.sparsify_gradients(p, 1.0)
+    assert sparse.dtype == torch.float32
+    idx = sparse[0].long()
+    assert torch.equal(sparse[0], idx.float()) and int(idx.max()) < 5000
+    torch.testing.assert_close(sparse[1], p.grad[idx].float())  # the values at those indices
+    small = SparsifiedSGD([torch.nn.Parameter(torch.zeros(8))], lr=0.1, sparse_grad_size=2)
+    q = small.param_groups[0]["params"][0]
+    q.grad = torch.ones(8)
+    assert small.sparsify_gradients(q, 0.1).dtype == torch.float32  # the parameter's dtype

@@ -34,6 +34,9 @@ def test_nested_loops_and_bad_argument():
             next(iter(remaining_epochs_until(2)))
     with pytest.raises(ValueError, match="epoch="):
         next(iter(remaining_epochs_until(2.5)))
+    import numpy as np
+
+    assert list(remaining_epochs_until(np.int64(3))) == [1, 2]  # numpy integers are ints
 
 
 def test_break_counts_the_epoch_as_finished():

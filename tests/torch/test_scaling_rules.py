@@ -180,3 +180,16 @@ def test_state_dict_and_restore_lr_after_an_update_that_raised():
     with pytest.raises(FloatingPointError):
         rule.step()  # AdaptDL's explicit form restores at once
     assert opt.param_groups[0]["lr"] == 0.1 and owner.ended == []
+
+
+def test_a_second_rule_on_the_same_optimizer_replaces_the_first():
+    owner, opt, seen, closure = _hooked(4.0)
+    first = next(iter(opt._optimizer_step_pre_hooks.values())).__self__
+    owner2 = _Stepper(4.0)
+    second = AdaScale()
+    with pytest.warns(UserWarning, match="detached"):
+        second.initialize(owner2, opt, patch_optimizer=True)
+    assert first._handles == [] and len(opt._optimizer_step_pre_hooks) == 1
+    opt.step(closure)
+    assert seen == [pytest.approx(0.25)]  # scaled once, not twice
+    assert owner.ended == [] and len(owner2.ended) == 1

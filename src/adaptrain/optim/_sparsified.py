@@ -111,14 +111,20 @@ class SparsifiedSGD(Optimizer):
         """Add ``lr · grad`` to the memory, take k coordinates out; returns ``[indices; values]``.
 
         The returned ``2 × k`` tensor holds the flat indices (as floats) and the values to
-        subtract from the parameter; the memory no longer holds them.
+        subtract from the parameter; the memory no longer holds them. Its dtype is the
+        parameter's, widened (float32, then float64) where that dtype cannot hold every index
+        of the parameter exactly (fp16 above 2048, bf16 above 256).
         """
         index = next(i for i, p in enumerate(self._params()) if p is param)
         wd = next(
             g["weight_decay"] for g in self.param_groups if any(q is param for q in g["params"])
         )
         res = self._round(param, lr, wd, index, LocalCommunicator())
-        return torch.stack([res.indices.to(res.values.dtype), res.values])
+        dtype = res.values.dtype
+        exact = {torch.float16: 2**11, torch.bfloat16: 2**8, torch.float32: 2**24}
+        if param.numel() > exact.get(dtype, 2**53):
+            dtype = torch.float32 if param.numel() <= 2**24 else torch.float64
+        return torch.stack([res.indices.to(dtype), res.values.to(dtype)])
 
     def _scale(self, comm) -> float:
         return 1.0

@@ -18,6 +18,7 @@ The number of finished epochs is a checkpointed :class:`~adaptrain.checkpoint.St
 from __future__ import annotations
 
 import logging
+import numbers
 import pickle
 from collections.abc import Iterator
 from typing import BinaryIO
@@ -74,8 +75,9 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         RuntimeError: if called inside another epoch loop.
         ValueError: if ``epoch`` is not an integer.
     """
-    if isinstance(epoch, bool) or not isinstance(epoch, int):
+    if isinstance(epoch, bool) or not isinstance(epoch, numbers.Integral):
         raise ValueError(f"epoch={epoch!r} must be an int (the epoch to stop before)")
+    epoch = int(epoch)  # numpy integers too (e.g. np.int64 from a config array)
     if current_epoch() is not None:
         raise RuntimeError("overlapping epoch loops detected: finish the current one first")
     state = _state()

@@ -29,6 +29,7 @@ scaled value.
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,9 @@ import torch
 from adaptrain.core import scaling as _scaling
 
 __all__ = ["ScalingRuleBase", "AdaScale", "AdamScale", "LinearScale", "SqrtScale", "LEGWScale"]
+
+#: optimizer → the rule whose step hooks it carries (one per optimizer)
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class ScalingRuleBase:
@@ -82,6 +86,17 @@ class ScalingRuleBase:
         self.adp = adp
         self._optimizer = optimizer
         if patch_optimizer:
+            prev = _ATTACHED.get(optimizer)
+            if prev is not None and prev is not self and prev._handles:
+                # Two sets of hooks would scale the lr twice and count progress twice.
+                warnings.warn(
+                    f"this optimizer's lr was already scaled by a {type(prev).__name__} of "
+                    "another AdaptiveDataParallel; that one is detached (one "
+                    "AdaptiveDataParallel per optimizer)",
+                    stacklevel=3,
+                )
+                prev.detach()
+            _ATTACHED[optimizer] = self
             self._handles = [
                 optimizer.register_step_pre_hook(self._pre_step_hook),
                 optimizer.register_step_post_hook(self._post_step_hook),
