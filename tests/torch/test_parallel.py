@@ -99,7 +99,9 @@ def test_adp_matches_ddp_exactly_at_scale_one(ddp_kwargs):
 
 
 # ----------------------------------------------------------------------------------------------
-def _stats_vs_direct(rank, ws, steps, b, ddp_kwargs=None, interval=1):
+def _stats_vs_direct(rank, ws, steps, b, ddp_kwargs=None, interval=1, hook=False):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
     from adaptrain.torch.parallel import AdaptiveDataParallel
 
     X, y = _data()
@@ -108,6 +110,8 @@ def _stats_vs_direct(rank, ws, steps, b, ddp_kwargs=None, interval=1):
     opt_copy = torch.optim.SGD(m_copy.parameters(), lr=0.05)
     adp = AdaptiveDataParallel(m_adp, opt, max_stats_interval=interval, **(ddp_kwargs or {}))
     adp.gns._samples_per_window = 1e-9  # sample every `interval` steps from the start
+    if hook:  # a (lossless) communication hook: the statistics take their own dense all-reduce
+        adp.register_comm_hook(None, default_hooks.allreduce_hook)
     ema_s, ema_v = core_gns.ema_init(0.0), core_gns.ema_init(0.0)
     clock = 0.0
     for t, idx in enumerate(_indices(steps, ws, b, seed=7)):
@@ -154,6 +158,54 @@ def test_statistics_match_direct_computation(ddp_kwargs):
         assert abs(sqr - ref_sqr) <= 1e-4 * abs(ref_sqr) + 1e-7
         assert abs(var - ref_var) <= 1e-4 * abs(ref_var) + 1e-7
     assert out[0][:2] == out[1][:2]  # identical on every replica
+
+
+@pytest.mark.parametrize("ddp_kwargs", BUCKETS[:3], ids=BUCKET_IDS[:3])
+def test_statistics_with_a_communication_hook_match_direct_computation(ddp_kwargs):
+    out = spawn(_stats_vs_direct, 2, args=(4, 8, ddp_kwargs, 1, True), timeout=TIMEOUT)
+    for sqr, var, ref_sqr, ref_var, n in out:
+        assert n == 4
+        assert abs(sqr - ref_sqr) <= 1e-4 * abs(ref_sqr) + 1e-7
+        assert abs(var - ref_var) <= 1e-4 * abs(ref_var) + 1e-7
+    assert out[0][:2] == out[1][:2]
+
+
+def _stats_under_powersgd(rank, ws, steps):
+    from adaptrain.dist.hooks import PowerSGDHookState, powersgd_hook
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = _data()
+    out = {}
+    for kind in ("plain", "powersgd"):
+        model = _model(wide=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        adp = AdaptiveDataParallel(model, opt, max_stats_interval=1, name=f"adp-{kind}")
+        if kind == "powersgd":  # rank 1 with error feedback: its average is far from the mean
+            adp.register_comm_hook(
+                PowerSGDHookState(rank=1, params=model.parameters()), powersgd_hook
+            )
+        first = None
+        for t, idx in enumerate(_indices(steps, ws, 16, seed=3)):
+            opt.zero_grad()
+            F.cross_entropy(adp(X[idx[rank]]), y[idx[rank]]).backward()
+            opt.step()
+            if t == 1:  # the first step's sample is folded in at the second step
+                first = (adp.gns.sqr_avg(), adp.gns.var_avg())
+        adp.gns.flush()
+        out[kind] = (first, (adp.gns.sqr_avg(), adp.gns.var_avg()))
+    return out
+
+
+def test_statistics_under_a_lossy_hook_are_those_of_the_mean_gradient():
+    for res in spawn(_stats_under_powersgd, 2, args=(30,), timeout=TIMEOUT):
+        plain, psgd = res["plain"], res["powersgd"]
+        # Same weights at the first step: the same sample exactly.
+        assert psgd[0] == pytest.approx(plain[0], rel=1e-5)
+        # Later the weights differ (compressed updates) but the noise scale stays close; the
+        # hook's own average read var 0 and sqr an order of magnitude high.
+        assert psgd[1][1] > 0
+        ratio = (psgd[1][1] / psgd[1][0]) / (plain[1][1] / plain[1][0])
+        assert 0.5 < ratio < 2.0
 
 
 def test_sampled_statistics_match_direct_computation():
