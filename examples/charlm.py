@@ -17,11 +17,13 @@ replicas); the validation loss is summed exactly over replicas with an Accumulat
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 
 import torch
 
+import adaptrain.checkpoint
 import adaptrain.torch as adl
 from adaptrain.workloads import CharLM, charlm_datasets, charlm_loss
 
@@ -33,7 +35,8 @@ def parse_args() -> argparse.Namespace:
         "--max-steps",
         type=int,
         default=0,
-        help="stop each epoch's training loop after this many steps (0: full pass)",
+        help="stop each epoch's training loop after this many optimizer steps, counted across "
+        "restarts (0: full pass)",
     )
     p.add_argument("--max-chars", type=int, default=1_000_000, help="corpus size in characters")
     p.add_argument("--seq-len", type=int, default=64)
@@ -47,6 +50,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--cache-dir", default=None, help="cache the encoded corpus here")
     p.add_argument("--tensorboard", default=None, help="TensorBoard log directory")
     return p.parse_args()
+
+
+class StepCount(adaptrain.checkpoint.State):
+    """Optimizer steps in all and per epoch, checkpointed: a restart mid-epoch goes on counting
+    (``enumerate(train_loader)`` would start again at 0 in the resumed pass)."""
+
+    def __init__(self) -> None:
+        super().__init__("charlm-example-steps")
+        self.total = 0
+        self.per_epoch: dict[str, int] = {}
+
+    def count(self, epoch: int) -> int:
+        self.total += 1
+        key = str(epoch)
+        self.per_epoch[key] = self.per_epoch.get(key, 0) + 1
+        return self.per_epoch[key]
+
+    def save(self, fileobj) -> None:
+        fileobj.write(json.dumps({"total": self.total, "per_epoch": self.per_epoch}).encode())
+
+    def load(self, fileobj) -> None:
+        data = json.loads(fileobj.read().decode())
+        self.total, self.per_epoch = int(data["total"]), dict(data["per_epoch"])
 
 
 def main() -> None:
@@ -76,16 +102,19 @@ def main() -> None:
 
         writer = SummaryWriter(args.tensorboard)
 
-    step = 0
+    steps = StepCount()
+    adaptrain.checkpoint.load_state(steps)
     for epoch in adl.remaining_epochs_until(args.epochs):
         model.train()
         start = time.perf_counter()
         for i, (inputs, targets) in enumerate(train_loader):
+            optim_step = adl.current_dataloader().is_optim_step()  # not an accumulation micro-batch
             loss = charlm_loss(model, (inputs.to(device), targets.to(device)))
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            step += 1
+            in_epoch = steps.count(epoch) if optim_step else steps.per_epoch.get(str(epoch), 0)
+            step = steps.total
             if rank0 and i % args.log_interval == 0:
                 gain = getattr(model, "gain", float("nan"))
                 print(
@@ -98,7 +127,7 @@ def main() -> None:
             if writer is not None:
                 writer.add_scalar("train/loss", loss.item(), step)
                 train_loader.to_tensorboard(writer, step, "train")
-            if args.max_steps and i + 1 >= args.max_steps:
+            if args.max_steps and in_epoch >= args.max_steps:
                 break
         elapsed = time.perf_counter() - start
 

@@ -78,6 +78,14 @@ def test_demo_state_roundtrip():
         t = _demo_worker.DemoState()
         t.load(io.BytesIO(buf.getvalue()))
         assert (t.elapsed(), t.steps, t.samples, t.restarts) == (12.5, 40, 1280, 1)
+        s.done = True  # a finished job's state: loading it is no restart
+        buf_done = io.BytesIO()
+        s.save(buf_done)
+        checkpoint.reset()
+        f = _demo_worker.DemoState()
+        f.load(io.BytesIO(buf_done.getvalue()))
+        assert f.done and f.restarts == 0
+        checkpoint.reset()
         assert t.valid == s.valid and len(t.history) == 1
         assert t.history[0][:8] == s.history[0][:8] and math.isnan(t.history[0][8])
         t.start_clock()
@@ -137,6 +145,8 @@ def test_demo_end_to_end(tmp_path):
     assert again.returncode == 0, again.stdout[-3000:]
     summary2 = json.loads((out / "summary.json").read_text())
     assert summary2["steps"] == summary["steps"]
+    assert summary2["restarts"] == 0 and "is finished" in again.stdout  # no restart counted
+    assert len(list((out / "checkpoint").glob("checkpoint-*"))) == 1  # nothing saved again
 
 
 @pytest.mark.timeout(300)

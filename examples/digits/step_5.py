@@ -77,7 +77,8 @@ def parse_args():
         "--max-steps",
         type=int,
         default=0,
-        help="stop each epoch's training loop after this many steps (0: all)",
+        help="smoke tests: stop each training pass after this many batches (0: all; a pass resumed "
+        "after a restart counts again)",
     )
     return parser.parse_args()
 

@@ -98,8 +98,9 @@ class DemoState(checkpoint.State):
         self.elapsed_before = float(d["elapsed"])
         self.steps = int(d["steps"])
         self.samples = int(d["samples"])
-        self.restarts = int(d["restarts"]) + 1
         self.done = bool(d["done"])
+        # A rerun of a finished job trains nothing: it reports the job, it is no restart.
+        self.restarts = int(d["restarts"]) + (0 if self.done else 1)
         self.history = [tuple(r) for r in d["history"]]
         self.valid = [tuple(r) for r in d["valid"]]
 
@@ -302,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                 initial=min(round(state.elapsed_before), round(budget)),
                 bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt}s{postfix}",
             )
-        if state.restarts:
+        if state.done:
+            msg = f"the job in {out} is finished ({state.steps} steps); its summary follows"
+            (bar.write if bar else print)(msg)
+        elif state.restarts:
             msg = (
                 f"resuming after {_fmt_time(state.elapsed_before)} of training "
                 f"({state.steps} steps, restart {state.restarts})"
@@ -382,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         stop = bool(collective.broadcast(stop or state.elapsed() >= budget))
 
     state.stop_clock()
-    state.done = True
-    checkpoint.save_all_states()  # a rerun reports the finished job instead of training again
+    if not state.done:
+        state.done = True
+        checkpoint.save_all_states()  # a rerun reports the finished job instead of training
     if rank == 0:
         if bar is not None:
             bar.n = min(state.elapsed(), budget)

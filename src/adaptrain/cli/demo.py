@@ -137,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
     env["ADAPTRAIN_CHECKPOINT_PATH"] = str(ckpt)
     env["ADAPTRAIN_TENSORBOARD_LOGDIR"] = str(out / "tensorboard")
     env.setdefault("OMP_NUM_THREADS", "1")
+    from adaptrain.dist.checkpoint import latest_checkpoint
+
+    before = latest_checkpoint(str(ckpt))
     proc = subprocess.Popen(_worker_command(args), env=env, start_new_session=True)
     interrupted = False
     while True:
@@ -154,10 +157,14 @@ def run(args: argparse.Namespace) -> int:
             )
             proc.send_signal(signal.SIGTERM)
     if interrupted:
-        print(
-            f"adaptrain demo: checkpoint in {ckpt}; run the same command again to resume",
-            file=sys.stderr,
-        )
+        after = latest_checkpoint(str(ckpt))
+        if after is not None and after != before:
+            msg = f"checkpoint in {after}; run the same command again to resume"
+        elif before is not None:  # stopped before the workers could save: the last one stands
+            msg = f"no new checkpoint was written; a rerun resumes from {before}"
+        else:
+            msg = "stopped before the first checkpoint; a rerun starts afresh"
+        print(f"adaptrain demo: {msg}", file=sys.stderr)
         return 130
     return code
 

@@ -113,7 +113,8 @@ def _handler(signum: int, frame: Any) -> None:
     if _signum:
         # Second signal: give up on the graceful path.
         logger.warning("got %s again, forcing exit", signal.Signals(signum).name)
-        signal.signal(signum, _previous.get(signum, signal.SIG_DFL))
+        previous = _previous.get(signum)  # None: a handler not installed from Python
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         signal.raise_signal(signum)
         return
     _signum = signum
