@@ -5,11 +5,14 @@ torchrun's standard variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTE
 ``MASTER_PORT``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RESTART_COUNT``) are
 honoured as fallbacks, so a script launched by ``torchrun`` needs no ``ADAPTRAIN_*`` variable.
 
-Precedence for every value: ``ADAPTRAIN_*`` first, then torchrun's variable, then the default.
+Precedence for every value: ``ADAPTRAIN_*`` first, then torchrun's variable, then the default;
+except the rendezvous address and port under torchrun, whose agent's store is the only one
+workers can join (an ``ADAPTRAIN_MASTER_*`` that disagrees is logged and ignored there).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 __all__ = [
@@ -29,6 +32,8 @@ __all__ = [
     "tensorboard_path",
     "launched_by_torchrun",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _get(*names: str) -> str | None:
@@ -116,20 +121,39 @@ def num_nodes() -> int:
     return num_replicas()
 
 
+def _rendezvous(ours: str, torchrun: str) -> tuple[str, ...]:
+    """Lookup order of a rendezvous variable: torchrun's first when torchrun launched this
+    process (its workers join the agent's store there; another port would hang)."""
+    if launched_by_torchrun() and _get(torchrun) is not None:
+        mine = _get(ours)
+        if mine is not None and mine != _get(torchrun):
+            logger.warning(
+                "%s=%s ignored: torchrun's %s=%s is where its workers meet",
+                ours,
+                mine,
+                torchrun,
+                _get(torchrun),
+            )
+        return (torchrun,)
+    return (ours, torchrun)
+
+
 def master_addr() -> str:
-    """Address of the rank-0 replica (``ADAPTRAIN_MASTER_ADDR``, else ``MASTER_ADDR``).
+    """Address of the rank-0 replica (``ADAPTRAIN_MASTER_ADDR``, else ``MASTER_ADDR``; under
+    torchrun its ``MASTER_ADDR``).
 
     Default ``127.0.0.1``: a single-process job needs no network.
     """
-    return _get("ADAPTRAIN_MASTER_ADDR", "MASTER_ADDR") or "127.0.0.1"
+    return _get(*_rendezvous("ADAPTRAIN_MASTER_ADDR", "MASTER_ADDR")) or "127.0.0.1"
 
 
 def master_port() -> int:
-    """Port of the rank-0 replica (``ADAPTRAIN_MASTER_PORT``, else ``MASTER_PORT``), or 0 if unset.
+    """Port of the rank-0 replica (``ADAPTRAIN_MASTER_PORT``, else ``MASTER_PORT``; under
+    torchrun its ``MASTER_PORT``), or 0 if unset.
 
     0 means "not set": a single-process job then picks a free port itself.
     """
-    return _get_int(0, "ADAPTRAIN_MASTER_PORT", "MASTER_PORT")
+    return _get_int(0, *_rendezvous("ADAPTRAIN_MASTER_PORT", "MASTER_PORT"))
 
 
 def launched_by_torchrun() -> bool:

@@ -1,0 +1,78 @@
+"""``adaptrain.env``: precedence of ADAPTRAIN_* over torchrun's variables, and the rendezvous
+under torchrun (a real torchrun launch)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from adaptrain import env
+from adaptrain.dist.spawn import free_port
+
+TORCHRUN = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def test_adaptrain_variables_win_outside_torchrun(monkeypatch):
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1111")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    assert (env.master_addr(), env.master_port()) == ("10.0.0.1", 1111)
+    monkeypatch.setenv("ADAPTRAIN_MASTER_PORT", "2222")
+    monkeypatch.setenv("ADAPTRAIN_MASTER_ADDR", "10.0.0.2")
+    assert (env.master_addr(), env.master_port()) == ("10.0.0.2", 2222)
+    monkeypatch.setenv("ADAPTRAIN_NUM_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert env.num_restarts() == 3 and env.launched_by_torchrun()
+
+
+def test_torchrun_rendezvous_wins_under_torchrun(monkeypatch, caplog):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("MASTER_PORT", "1111")
+    monkeypatch.setenv("ADAPTRAIN_MASTER_PORT", "2222")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setenv("ADAPTRAIN_MASTER_ADDR", "10.0.0.2")
+    with caplog.at_level("WARNING", logger="adaptrain.env"):
+        assert env.master_port() == 1111
+    assert "ADAPTRAIN_MASTER_PORT=2222 ignored" in caplog.text
+    assert env.master_addr() == "10.0.0.2"  # torchrun gave none: ours stands
+
+
+@pytest.mark.timeout(120)
+def test_a_stray_adaptrain_port_does_not_hang_a_torchrun_job(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist
+            import adaptrain.torch as adl
+            adl.init_process_group("gloo")
+            t = torch.ones(1) * (dist.get_rank() + 1)
+            dist.all_reduce(t)
+            print("sum", int(t), flush=True)
+            """
+        )
+    )
+    port = free_port()
+    environ = dict(os.environ, ADAPTRAIN_MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(script),
+        ],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("sum 3") == 2
