@@ -2,7 +2,7 @@
 
 Each accessor mirrors ``adaptdl.env`` with ``ADAPTRAIN_*`` where AdaptDL reads ``ADAPTDL_*``.
 torchrun's standard variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``TORCHELASTIC_RESTART_COUNT``) are
+``MASTER_PORT``, ``LOCAL_WORLD_SIZE``, ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``) are
 honoured as fallbacks, so a script launched by ``torchrun`` needs no ``ADAPTRAIN_*`` variable.
 
 Precedence for every value: ``ADAPTRAIN_*`` first, then torchrun's variable, then the default;
@@ -16,6 +16,7 @@ import logging
 import os
 
 __all__ = [
+    "adaptdl_sched_version",
     "adaptrain_sched_version",
     "checkpoint_path",
     "from_ray",
@@ -169,6 +170,11 @@ def supervisor_url() -> str | None:
 def adaptrain_sched_version() -> str | None:
     """Version of the scheduler that started the job (``ADAPTRAIN_SCHED_VERSION``), or None."""
     return _get("ADAPTRAIN_SCHED_VERSION")
+
+
+def adaptdl_sched_version() -> str | None:
+    """AdaptDL's name for :func:`adaptrain_sched_version` (code migrated by changing the import)."""
+    return adaptrain_sched_version()
 
 
 def from_ray() -> bool:

@@ -108,3 +108,25 @@ def test_init_bad_environment(monkeypatch):
     with pytest.raises(ValueError, match="ADAPTRAIN_MASTER_PORT"):
         init_process_group("gloo")
     assert not dist.is_initialized()
+
+
+def _adaptdl_initialize(rank: int, world_size: int, port: int) -> tuple:
+    import os
+
+    for k in _VARS:
+        os.environ.pop(k, None)
+    # AdaptDL's call: the collectives set up from explicit arguments, no process group yet.
+    collective.initialize("127.0.0.1", port, rank, world_size)
+    collective.initialize("127.0.0.1", port, rank, world_size)  # a second call: no-op
+    try:
+        return dist.get_world_size(), collective.allreduce(rank + 1), collective.broadcast(rank)
+    finally:
+        collective.teardown()
+        dist.destroy_process_group()
+
+
+def test_initialize_with_adaptdl_arguments():
+    from adaptrain.dist.spawn import free_port
+
+    res = spawn(_adaptdl_initialize, 2, args=(free_port(),), init=False, timeout=60)
+    assert res == [(2, 3, 0), (2, 3, 0)]

@@ -574,3 +574,17 @@ def test_sparse_gradients_give_the_dense_statistics(ws):
         assert sparse[3] == dense[3] > 0
         assert sparse[1] == pytest.approx(dense[1], rel=1e-5)
         assert sparse[2] == pytest.approx(dense[2], rel=1e-5)
+
+
+def _window(rank, ws):
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    fixed = AdaptiveDataParallel(
+        _model(), torch.optim.SGD(_model().parameters(), lr=0.1), window_fraction=None, name="fixed"
+    )
+    default = AdaptiveDataParallel(_model(), torch.optim.SGD(_model().parameters(), lr=0.1))
+    return fixed.gns._window_fraction, default.gns._window_fraction
+
+
+def test_window_fraction_reaches_the_statistics():
+    assert spawn(_window, 1, timeout=TIMEOUT) == [(None, 0.25)]  # None: AdaptDL's fixed memory

@@ -242,12 +242,12 @@ def _read_manifest(ckpt_dir: str) -> dict:
         raise RuntimeError(
             f"corrupt checkpoint: {path} is missing (checkpoints are renamed into place only "
             "after their manifest is written); delete the directory "
-            f"{ckpt_dir} to fall back to an older checkpoint or start afresh"
+            f"{ckpt_dir} to start afresh (older checkpoints are removed after each save)"
         ) from None
     except (OSError, ValueError) as exc:
         raise RuntimeError(
-            f"corrupt checkpoint manifest {path}: {exc}; delete {ckpt_dir} to fall back "
-            "to an older checkpoint or start afresh"
+            f"corrupt checkpoint manifest {path}: {exc}; delete {ckpt_dir} to start afresh "
+            "(older checkpoints are removed after each save)"
         ) from exc
     if not isinstance(manifest, dict) or not isinstance(manifest.get("states"), dict):
         raise RuntimeError(f"corrupt checkpoint manifest {path}: no 'states' table")
@@ -316,8 +316,8 @@ def load_state(state: State) -> bool:
         if digest != entry.get("sha256"):
             raise RuntimeError(
                 f"corrupt checkpoint file {path}: SHA-256 {digest[:12]}... does not match the "
-                f"manifest's {str(entry.get('sha256'))[:12]}...; delete {ckpt_dir} to fall back "
-                "to an older checkpoint or start afresh"
+                f"manifest's {str(entry.get('sha256'))[:12]}...; delete {ckpt_dir} to start "
+                "afresh (older checkpoints are removed after each save)"
             )
         try:
             state.load(f)

@@ -56,11 +56,47 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def initialize() -> None:
+def initialize(
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    replica_rank: int | None = None,
+    num_replicas: int | None = None,
+) -> None:
     """Create the gloo group and worker thread now (collective: call on every replica).
 
     Called by :func:`adaptrain.torch.init_process_group`; otherwise done lazily on first use.
+    AdaptDL's signature: without a ``torch.distributed`` default group and with several replicas
+    (or any argument given), one is created first, gloo at ``tcp://master_addr:master_port``
+    with rank ``replica_rank`` of ``num_replicas`` (each default from :mod:`adaptrain.env`).
+    Unlike AdaptDL, a second call is a no-op rather than an error.
+
+    Raises:
+        ValueError: no rendezvous port for several replicas, or ``num_replicas`` disagreeing
+            with an existing default group.
     """
+    from adaptrain import env
+
+    given = (master_addr, master_port, replica_rank, num_replicas)
+    if dist.is_available() and not dist.is_initialized():
+        world = env.num_replicas() if num_replicas is None else int(num_replicas)
+        if world > 1 or any(v is not None for v in given):
+            addr = master_addr or env.master_addr()
+            port = int(master_port or env.master_port())
+            if not port:
+                raise ValueError(
+                    f"num_replicas={world} needs a rendezvous port: pass master_port or set "
+                    "ADAPTRAIN_MASTER_PORT (or MASTER_PORT) on every replica"
+                )
+            rank = env.replica_rank() if replica_rank is None else int(replica_rank)
+            dist.init_process_group(
+                "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world
+            )
+    elif num_replicas is not None and dist.is_initialized():
+        if int(num_replicas) != dist.get_world_size():
+            raise ValueError(
+                f"num_replicas={num_replicas} but the torch.distributed default group has "
+                f"{dist.get_world_size()} members"
+            )
     if is_distributed():
         _ensure()
 

@@ -63,6 +63,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
             size, one sample in 62 steps of a ~1000-step memory once training is past its
             first ~4000 steps; fewer steps apart at larger scales); the cap bounds how stale
             the statistics get, and a sample costs a few hundred microseconds on CPU.
+        window_fraction: the noise-scale average remembers this fraction of the history seen so
+            far (capped at 1000 steps at the initial batch size); None for AdaptDL's fixed
+            1000-step memory from the first step.
         **kwargs: passed to ``DistributedDataParallel``.
 
     Raises:
@@ -79,6 +82,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         scaling_rule: ScalingRuleBase | None = None,
         name: str = "adaptdl-dataparallel",
         max_stats_interval: int = 64,
+        window_fraction: float | None = 0.25,
         **kwargs: Any,
     ) -> None:
         if not torch.distributed.is_initialized():
@@ -93,7 +97,11 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self._optimizer = optimizer
         self._mp_scaler = mp_scaler
         self.gns = GradientNoiseScale(
-            self, optimizer, mp_scaler=mp_scaler, max_interval=max_stats_interval
+            self,
+            optimizer,
+            mp_scaler=mp_scaler,
+            max_interval=max_stats_interval,
+            window_fraction=window_fraction,
         )
         self.gns.register(self)
         self.scaling_rule = (
