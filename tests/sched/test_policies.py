@@ -151,6 +151,37 @@ def test_nondominated_ranks_match_bruteforce(points):
         assert rank[i] == expect
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=40))
+def test_nondominated_ranks_match_pymoo(points):
+    # pymoo's non-dominated sorting (the reference NSGA-II implementation) as the oracle.
+    from pymoo.util.nds.non_dominated_sorting import NonDominatedSorting
+
+    F = np.array(points, dtype=float)
+    expected = np.empty(len(F), dtype=int)
+    for k, front in enumerate(NonDominatedSorting().do(F)):
+        expected[front] = k
+    assert np.array_equal(nondominated_ranks(F), expected)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(3, 30), st.integers(0, 10_000))
+def test_crowding_matches_pymoo_on_a_front(n, seed):
+    # pymoo averages the objectives' normalised gaps, this sums them: a factor of 2 for two
+    # objectives, the same order (which is all the survival uses).
+    from pymoo.operators.survival.rank_and_crowding.metrics import calc_crowding_distance
+
+    from adaptrain.sched.pollux import _crowding
+
+    x = np.sort(np.random.default_rng(seed).random(n))
+    F = np.stack([x, 1.0 - x**2], axis=1)[np.random.default_rng(seed + 1).permutation(n)]
+    ours = _crowding(F, np.zeros(n, dtype=int))
+    ref = calc_crowding_distance(F)
+    assert np.array_equal(np.isinf(ours), np.isinf(ref)) and np.isinf(ours).sum() == 2
+    finite = ~np.isinf(ours)
+    np.testing.assert_allclose(ours[finite], 2.0 * ref[finite], rtol=1e-12)
+
+
 def test_tiresias_state_roundtrip():
     nodes = {0: NodeInfo(4)}
     jobs = {"a": JobInfo(0.0, max_replicas=2), "b": JobInfo(1.0, max_replicas=4)}

@@ -15,6 +15,10 @@ allocation, zero some entries, increase some entries on nodes with free GPUs) an
 enforcing interference avoidance (at most one multi-node job per node), per-job maximum
 replicas, node capacity (jobs with least attained service first) and minimum replicas. The
 final population warm-starts the next round. The returned allocation maximises the fitness.
+
+The NSGA-II machinery (non-dominated sorting, crowding distance) is vectorised numpy over the
+whole population, as the issue allows; ``tests/sched/test_policies.py`` checks both against
+pymoo's implementations (ranks equal; crowding equal up to pymoo's averaging over objectives).
 """
 
 from __future__ import annotations
