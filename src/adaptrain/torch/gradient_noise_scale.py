@@ -44,11 +44,11 @@ error feedback it also carries earlier steps' residuals (with PowerSGD rank 1 on
 ``var`` 0 and ``sqr`` 13× too high, so the batch size would never grow). On a sampled step of a
 model with a communication hook, the local gradients are therefore copied in the parameters'
 hooks (before the hook sees them) and all-reduced densely, asynchronously, beside the hook's own
-traffic: one dense all-reduce per sample (one step in up to 64), the statistics exact. On
-average that is 1/64–1/62 of a dense all-reduce per step, more than a rank-1 PowerSGD hook's own
-traffic (0.006 of dense); ``max_interval`` trades freshness for it. (A count sketch of the local
-gradients, all-reduced in a few kilobytes, would estimate the mean's norm without bias: not
-built.)
+traffic: one dense all-reduce per sample, the statistics exact. Samples are dense early (every
+step for the first ~100 steps, 272 in the first 1000 at a fixed scale), then one step in up to
+64: more than a rank-1 PowerSGD hook's own traffic (0.006 of dense per step). (A count sketch of
+the local gradients, all-reduced in a few kilobytes, would estimate the mean's norm without
+bias: not built.)
 """
 
 from __future__ import annotations
