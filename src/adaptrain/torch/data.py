@@ -89,6 +89,12 @@ class ElasticSampler(Sampler[int]):
     For the epoch set by :meth:`set_epoch` the dataset order is fixed (deterministic shuffle
     seeded by the epoch); from ``index`` on, replica ``r`` of ``R`` yields ``order[index + r::R]``.
 
+    Unlike AdaptDL's, the replicas' shares may differ by one sample (10 samples on 3 replicas:
+    4 / 3 / 3), so that every sample is seen exactly once. A custom loader batching this
+    output must give every replica the same number of batches (``profile()`` and DDP's
+    all-reduce are collectives), e.g. by cutting batches by global position as
+    :class:`AdaptiveDataLoader` does, or by dropping the last incomplete batch.
+
     Args:
         dataset: a map-style dataset (with ``__len__``).
         shuffle: shuffle deterministically per epoch.
