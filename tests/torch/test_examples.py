@@ -88,3 +88,57 @@ def test_charlm_example(tmp_path: Path) -> None:
         ]
     )
     assert "epoch 0 step 3" in out and "bits/char" in out
+
+
+_COUNTING = """
+import os, runpy, signal, sys
+import adaptrain.torch as adl
+import adaptrain.workloads as w
+orig, seen = w.charlm_loss, [0]
+def loss(model, batch):  # count the training steps per epoch; SIGTERM ourselves at KILL_AT
+    if model.training:
+        seen[0] += 1
+        print(f"TRAINSTEP epoch={adl.current_epoch()}", flush=True)
+        if seen[0] == int(os.environ.get("KILL_AT", "0")):
+            os.kill(os.getpid(), signal.SIGTERM)
+    return orig(model, batch)
+w.charlm_loss = loss
+sys.argv = ["charlm.py", *sys.argv[1:]]
+runpy.run_path(sys.argv.pop(1), run_name="__main__")
+"""
+
+
+def test_charlm_max_steps_hold_across_a_restart(tmp_path: Path) -> None:
+    wrapper = tmp_path / "count.py"
+    wrapper.write_text(_COUNTING)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cmd = [
+        sys.executable,
+        str(wrapper),
+        str(EXAMPLES / "charlm.py"),
+        "--epochs",
+        "2",
+        "--max-steps",
+        "6",
+        "--max-chars",
+        "20000",
+        "--hidden",
+        "16",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "8",
+        "--log-interval",
+        "1000",
+        "--cache-dir",
+        str(tmp_path),
+    ]
+    logs = []
+    for kill_at in ("3", "0"):  # the first run stops in epoch 0 after 3 steps, the rerun ends
+        env = dict(_env(), ADAPTRAIN_CHECKPOINT_PATH=str(ckpt), KILL_AT=kill_at)
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT)
+        logs.append(p.stdout)
+        assert p.returncode == (143 if kill_at == "3" else 0), p.stdout[-2000:] + p.stderr[-2000:]
+    per_epoch = [sum(log.count(f"TRAINSTEP epoch={e}") for log in logs) for e in (0, 1)]
+    assert per_epoch == [6, 6]  # epoch 0 split over the two runs (the old count gave 4 + 6)
