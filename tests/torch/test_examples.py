@@ -66,27 +66,24 @@ def test_digits_step_5_under_torchrun() -> None:
     assert out.count("[evaluated 359 samples]") == 1
 
 
+def _charlm_args(tmp_path: Path, epochs: int, max_steps: int, *extra: str) -> list[str]:
+    """A tiny char LM run of examples/charlm.py (20k characters, GRU 16)."""
+    small = ["--max-chars", "20000", "--hidden", "16", "--seq-len", "32"]
+    return [
+        str(EXAMPLES / "charlm.py"),
+        "--epochs",
+        str(epochs),
+        "--max-steps",
+        str(max_steps),
+        *small,
+        "--cache-dir",
+        str(tmp_path),
+        *extra,
+    ]
+
+
 def test_charlm_example(tmp_path: Path) -> None:
-    out = _run(
-        [
-            sys.executable,
-            str(EXAMPLES / "charlm.py"),
-            "--epochs",
-            "1",
-            "--max-steps",
-            "4",
-            "--max-chars",
-            "20000",
-            "--hidden",
-            "16",
-            "--seq-len",
-            "32",
-            "--log-interval",
-            "1",
-            "--cache-dir",
-            str(tmp_path),
-        ]
-    )
+    out = _run([sys.executable, *_charlm_args(tmp_path, 1, 4, "--log-interval", "1")])
     assert "epoch 0 step 3" in out and "bits/char" in out
 
 
@@ -116,23 +113,7 @@ def test_charlm_max_steps_hold_across_a_restart(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         str(wrapper),
-        str(EXAMPLES / "charlm.py"),
-        "--epochs",
-        "2",
-        "--max-steps",
-        "6",
-        "--max-chars",
-        "20000",
-        "--hidden",
-        "16",
-        "--seq-len",
-        "32",
-        "--batch-size",
-        "8",
-        "--log-interval",
-        "1000",
-        "--cache-dir",
-        str(tmp_path),
+        *_charlm_args(tmp_path, 2, 6, "--batch-size", "8", "--log-interval", "1000"),
     ]
     logs = []
     for kill_at in ("3", "0"):  # the first run stops in epoch 0 after 3 steps, the rerun ends
