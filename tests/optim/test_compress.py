@@ -14,6 +14,7 @@ from torch.testing import assert_close
 from adaptrain.core.compress import (
     LocalCommunicator,
     block_indices,
+    count_sketch,
     gossip_mix,
     majority_vote,
     orthogonalize,
@@ -362,3 +363,23 @@ def test_gossip_on_a_ring_reaches_consensus():
         assert_close(x, mean)
     with pytest.raises(ValueError, match="shape"):
         gossip_mix(torch.zeros(2), [torch.zeros(3)])
+
+
+# ---------------------------------------------------------------- count sketch
+
+
+def test_count_sketch_is_linear_and_unbiased():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3000, generator=g), torch.randn(3000, generator=g)
+    # One seed, one hash: workers' sketches sum to the sketch of the sum.
+    assert_close(count_sketch(x + y, 128, 7), count_sketch(x, 128, 7) + count_sketch(y, 128, 7))
+    assert not torch.equal(count_sketch(x, 128, 7), count_sketch(x, 128, 8))
+    # |S x|² estimates |x|² without bias; one draw's relative spread is about sqrt(2 / k).
+    est = torch.stack([count_sketch(x, 128, s).square().sum() for s in range(600)])
+    norm = x.square().sum()
+    assert abs(float(est.mean() / norm) - 1.0) < 0.02
+    assert 0.08 < float(est.std() / norm) < 0.16  # sqrt(2/128) = 0.125
+    half = count_sketch(x.half(), 64, 1)
+    assert half.dtype == torch.float32 and half.shape == (64,)
+    with pytest.raises(ValueError, match="size"):
+        count_sketch(x, 0, 1)

@@ -208,6 +208,39 @@ def test_statistics_under_a_lossy_hook_are_those_of_the_mean_gradient():
         assert 0.5 < ratio < 2.0
 
 
+def _sketch_vs_dense(rank, ws, steps):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = _data()
+    out = {}
+    for size in (None, 1024):  # 301k parameters: 1024 values sketch them, None all-reduces all
+        model = _model(wide=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        adp = AdaptiveDataParallel(
+            model, opt, max_stats_interval=1, name=f"adp-{size}", stats_sketch_size=size
+        )
+        adp.register_comm_hook(None, default_hooks.allreduce_hook)  # lossless: same weights
+        for idx in _indices(steps, ws, 16, seed=11):
+            opt.zero_grad()
+            F.cross_entropy(adp(X[idx[rank]]), y[idx[rank]]).backward()
+            opt.step()
+        adp.gns.flush()
+        out[size] = (adp.gns.sqr_avg(), adp.gns.var_avg(), _np(model))
+    return out
+
+
+def test_statistics_through_a_count_sketch_track_the_dense_ones():
+    for res in spawn(_sketch_vs_dense, 2, args=(40,), timeout=TIMEOUT):
+        dense, sketch = res[None], res[1024]
+        for a, b in zip(dense[2], sketch[2]):  # scale 1: the statistics do not touch the update
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert sketch[:2] != dense[:2]  # the sketch was used
+        assert sketch[0] == pytest.approx(dense[0], rel=0.25)
+        assert sketch[1] == pytest.approx(dense[1], rel=0.25)
+
+
 def test_sampled_statistics_match_direct_computation():
     """One step in 3 sampled: the samples of steps 3, 6, 9 only, each standing for 3 steps."""
     out = spawn(_stats_vs_direct, 2, args=(9, 8, {"bucket_cap_mb": 0.1}, 3), timeout=TIMEOUT)

@@ -66,6 +66,10 @@ class AdaptiveDataParallel(DistributedDataParallel):
         window_fraction: the noise-scale average remembers this fraction of the history seen so
             far (capped at 1000 steps at the initial batch size); None for AdaptDL's fixed
             1000-step memory from the first step.
+        stats_sketch_size: with a communication hook registered, sampled steps all-reduce a
+            count sketch of this many values instead of the dense gradients (less traffic,
+            noisier statistics; see :mod:`adaptrain.torch.gradient_noise_scale`). None
+            (default): dense, exact.
         **kwargs: passed to ``DistributedDataParallel``.
 
     Raises:
@@ -83,6 +87,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         name: str = "adaptdl-dataparallel",
         max_stats_interval: int = 64,
         window_fraction: float | None = 0.25,
+        stats_sketch_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         if not torch.distributed.is_initialized():
@@ -102,6 +107,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
             mp_scaler=mp_scaler,
             max_interval=max_stats_interval,
             window_fraction=window_fraction,
+            sketch_size=stats_sketch_size,
         )
         self.gns.register(self)
         self.scaling_rule = (

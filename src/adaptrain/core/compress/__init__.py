@@ -25,6 +25,7 @@ from adaptrain.core.compress.sign import (
     unpack_signs,
     unpack_ternary,
 )
+from adaptrain.core.compress.sketch import count_sketch
 from adaptrain.core.compress.sparsify import (
     SparseResult,
     SparseState,
@@ -46,6 +47,7 @@ __all__ = [
     "SparseResult",
     "SparseState",
     "block_indices",
+    "count_sketch",
     "cyclic_block_indices",
     "gossip_mix",
     "majority_vote",
