@@ -542,10 +542,10 @@ class GradientNoiseScale:
                 local = torch.stack(c.local).double().sum() if c.local else None
             else:  # dense gradients are still local here; sparse ones were taken in hooks
                 grads = [p.grad for p in c.params if p.grad is not None and not p.grad.is_sparse]
-                parts = [x.double() for x in c.local]
-                if grads:
-                    parts.append(_sqnorm_all(grads))
-                local = torch.stack(parts).sum() if parts else None
+                local = _sqnorm_all(grads) if grads else None
+                if c.local:  # sparse gradients' norms, taken in their hooks
+                    parts = [x.double() for x in c.local] + ([local] if local is not None else [])
+                    local = torch.stack(parts).sum()
             if local is not None:
                 factor = 1.0 / float(c.accum * c.accum)
                 local = local * factor
