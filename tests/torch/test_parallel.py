@@ -398,18 +398,27 @@ def _replay_on_ddp(model, seen, lr: float) -> list[torch.Tensor]:
     return grads
 
 
-def _short_last_step(rank, ws):
-    from adaptrain.torch.data import AdaptiveDataLoader, current_dataloader
+def _accumulating(samples: int):
+    """ADP (SGD 0.1) + its reference model + a loader of 64 per step = 2 replicas × 2
+    micro-batches × 16, on the first ``samples`` digits."""
+    from adaptrain.torch.data import AdaptiveDataLoader
     from adaptrain.torch.parallel import AdaptiveDataParallel
 
     X, y = _data()
-    data = torch.utils.data.TensorDataset(X[:80], y[:80])
+    data = torch.utils.data.TensorDataset(X[:samples], y[:samples])
     m_adp, m_ref = _model(), _model()
     opt = torch.optim.SGD(m_adp.parameters(), lr=0.1)
     adp = AdaptiveDataParallel(m_adp, opt)
-    # 64 per step = 2 replicas × 2 micro-batches × 16: the pass's second step has 1 micro-batch.
     loader = AdaptiveDataLoader(data, batch_size=64, shuffle=False)
     loader.autoscale_batch_size(64, local_bsz_bounds=(None, 16), gradient_accumulation=True)
+    return m_adp, m_ref, opt, adp, loader
+
+
+def _short_last_step(rank, ws):
+    from adaptrain.torch.data import current_dataloader
+
+    # 80 samples: the pass's second step has 1 micro-batch.
+    m_adp, m_ref, opt, adp, loader = _accumulating(80)
     seen, grads, scales = [], [], []
     for xb, yb in loader:
         optim_step = current_dataloader().is_optim_step()
@@ -427,16 +436,9 @@ def _short_last_step(rank, ws):
 def _zero_grad_in_accumulation(rank, ws, via):
     import warnings
 
-    from adaptrain.torch.data import AdaptiveDataLoader, current_dataloader
-    from adaptrain.torch.parallel import AdaptiveDataParallel
+    from adaptrain.torch.data import current_dataloader
 
-    X, y = _data()
-    data = torch.utils.data.TensorDataset(X[:128], y[:128])
-    m_adp, m_ref = _model(), _model()
-    opt = torch.optim.SGD(m_adp.parameters(), lr=0.1)
-    adp = AdaptiveDataParallel(m_adp, opt)
-    loader = AdaptiveDataLoader(data, batch_size=64, shuffle=False)
-    loader.autoscale_batch_size(64, local_bsz_bounds=(None, 16), gradient_accumulation=True)
+    m_adp, m_ref, opt, adp, loader = _accumulating(128)
     zero = adp.scaling_rule.zero_grad if via == "rule" else adp.zero_grad
     seen = []
     with warnings.catch_warnings(record=True) as caught:

@@ -35,6 +35,7 @@ __all__ = [
     "default_reduce_fn",
     "initialize",
     "is_distributed",
+    "rendezvous_url",
     "teardown",
 ]
 
@@ -54,6 +55,30 @@ def default_reduce_fn(a: Any, b: Any) -> Any:
 def is_distributed() -> bool:
     """True when a torch.distributed default group with more than one member exists."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rendezvous_url(
+    world_size: int, master_addr: str | None = None, master_port: int | None = None
+) -> str:
+    """``tcp://addr:port`` of the rank-0 replica (defaults from :mod:`adaptrain.env`); a single
+    replica without a port gets a free one.
+
+    Raises:
+        ValueError: several replicas and no port.
+    """
+    from adaptrain import env
+    from adaptrain.dist.spawn import free_port
+
+    port = int(master_port or env.master_port())
+    if not port:
+        if world_size > 1:
+            raise ValueError(
+                f"world_size={world_size} needs a rendezvous port: set ADAPTRAIN_MASTER_PORT "
+                "(or MASTER_PORT) on every replica, pass master_port, or pass "
+                "init_method='tcp://host:port'"
+            )
+        port = free_port()
+    return f"tcp://{master_addr or env.master_addr()}:{port}"
 
 
 def initialize(
@@ -80,17 +105,9 @@ def initialize(
     if dist.is_available() and not dist.is_initialized():
         world = env.num_replicas() if num_replicas is None else int(num_replicas)
         if world > 1 or any(v is not None for v in given):
-            addr = master_addr or env.master_addr()
-            port = int(master_port or env.master_port())
-            if not port:
-                raise ValueError(
-                    f"num_replicas={world} needs a rendezvous port: pass master_port or set "
-                    "ADAPTRAIN_MASTER_PORT (or MASTER_PORT) on every replica"
-                )
+            url = rendezvous_url(world, master_addr, master_port)
             rank = env.replica_rank() if replica_rank is None else int(replica_rank)
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world
-            )
+            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
     elif num_replicas is not None and dist.is_initialized():
         if int(num_replicas) != dist.get_world_size():
             raise ValueError(

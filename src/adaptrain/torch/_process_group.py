@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from adaptrain import env
 from adaptrain.dist import checkpoint, collective, signals
-from adaptrain.dist.spawn import free_port
 
 __all__ = ["init_process_group"]
 
@@ -62,16 +61,7 @@ def init_process_group(
         logger.info("torch.distributed already initialized; reusing the default group")
     else:
         if init_method is None:
-            port = env.master_port()
-            if port == 0:
-                if world_size > 1:
-                    raise ValueError(
-                        f"world_size={world_size} needs a rendezvous port: set "
-                        "ADAPTRAIN_MASTER_PORT (or MASTER_PORT) on every replica, or pass "
-                        "init_method='tcp://host:port'"
-                    )
-                port = free_port()
-            init_method = f"tcp://{env.master_addr()}:{port}"
+            init_method = collective.rendezvous_url(world_size)
         logger.info(
             "initializing torch.distributed using %s?rank=%d&world_size=%d",
             init_method,

@@ -210,12 +210,18 @@ class AdaptiveDataParallel(DistributedDataParallel):
         _metrics.update_progress(progress)
         _metrics.update_grad_params(sqr, var)
 
+    def _skip_zero_grad(self) -> bool:
+        """In the middle of a gradient accumulation (a ``zero_grad`` now would drop the
+        micro-batches so far): warn, and True."""
+        if self._rt.stash or not self._rt.last_sync:
+            warnings.warn("zero_grad skipped: gradients are being accumulated", stacklevel=3)
+            return True
+        return False
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, except in the middle of a gradient accumulation (then a no-op)."""
-        if self._rt.stash or not self._rt.last_sync:
-            warnings.warn("zero_grad skipped: gradients are being accumulated", stacklevel=2)
-            return
-        super().zero_grad(set_to_none=set_to_none)
+        if not self._skip_zero_grad():
+            super().zero_grad(set_to_none=set_to_none)
 
     # ----- reporting ---------------------------------------------------------------------------
     @property

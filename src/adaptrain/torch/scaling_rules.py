@@ -193,26 +193,19 @@ class ScalingRuleBase:
         """Run one optimizer step with the scaled learning rate (``optimizer.step(*args)``)."""
         if self.adp is None or self._optimizer is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
-        if self._handles:
-            try:
-                return self._optimizer.step(*args, **kwargs)
-            except BaseException:
-                self._in_step = False
-                self._restore_lr(self._optimizer)
-                raise
-        guarded = self._pre_step_hook(self._optimizer, (self._optimizer, *args), kwargs)
-        if guarded is not None:
-            args, kwargs = tuple(guarded[0][1:]), guarded[1]
+        hooked = bool(self._handles)
+        if not hooked:  # run the hooks' work around the step here
+            guarded = self._pre_step_hook(self._optimizer, (self._optimizer, *args), kwargs)
+            if guarded is not None:
+                args, kwargs = tuple(guarded[0][1:]), guarded[1]
         try:
-            return self._optimizer.step(*args, **kwargs)
+            out = self._optimizer.step(*args, **kwargs)
         except BaseException:
-            self._in_step = False
+            self.restore_lr()
             raise
-        finally:
-            if self._in_step:
-                self._post_step_hook(self._optimizer, args, kwargs)
-            else:
-                self._restore_lr(self._optimizer)
+        if not hooked:
+            self._post_step_hook(self._optimizer, args, kwargs)
+        return out
 
     def zero_grad(self, *args: Any, **kwargs: Any) -> None:
         """``optimizer.zero_grad``; a no-op in the middle of gradient accumulation (as
@@ -220,12 +213,9 @@ class ScalingRuleBase:
         micro-batches accumulated so far."""
         if self._optimizer is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
-        adp = self.adp
-        if adp is not None and hasattr(adp, "zero_grad") and hasattr(adp, "_rt"):
-            if adp._rt.stash or not adp._rt.last_sync:
-                warnings.warn("zero_grad skipped: gradients are being accumulated", stacklevel=2)
-                return
-        self._optimizer.zero_grad(*args, **kwargs)
+        skip = getattr(self.adp, "_skip_zero_grad", None)
+        if skip is None or not skip():
+            self._optimizer.zero_grad(*args, **kwargs)
 
     # ----- helpers ------------------------------------------------------------------------------
     def _stats(self) -> tuple[float, float, float]:
