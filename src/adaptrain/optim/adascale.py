@@ -20,8 +20,11 @@ state kept under ``optimizer.state["adascale"]``), and differs where fairscale i
   *committed* only when the gradient is really accumulated into ``.grad`` (a
   post-accumulate-grad hook), so ``torch.autograd.grad`` calls (gradient penalties,
   diagnostics) never count. A backward pass whose gradients are then zeroed (``zero_grad`` of
-  the wrapper or of the model, ``set_to_none`` or not) is forgotten: the hooks notice that
-  ``.grad`` was replaced or modified in place since the end of the last backward pass.
+  the wrapper or of the model, ``set_to_none`` or not) is forgotten: the first hook of the
+  next backward pass notices that a ``.grad`` was set to None or modified in place since the
+  end of the last one (a ``.grad`` replaced by another tensor counts as moved, as DDP's bucket
+  rebuild does with ``gradient_as_bucket_view``; zero with ``zero_grad``). A backward pass
+  that raises is forgotten too.
   When a replica's last expected backward pass ends, its ``n_groups + 1`` numbers are
   all-reduced (asynchronously, one small collective per step, as in fairscale); the moving
   averages are only updated in ``step()``, from the all-reduced numbers and the synchronised
@@ -38,6 +41,12 @@ state kept under ``optimizer.state["adascale"]``), and differs where fairscale i
   ``GradScaler``, call ``scaler.unscale_(optim)`` before ``optim.gain()`` for the progress
   count to equal the gain ``step()`` applies.
 * **Non-finite samples** (``inf``/``NaN`` gradients) leave the averages unchanged.
+* **``set_scale`` keeps the averages.** They are in base-batch units, independent of ``S``;
+  fairscale multiplies the variance average by ``S_old / S_new``, wrong by that factor when
+  the scale follows the batch size.
+* **``state_dict`` carries the settings** (``scale``, ``smoothing``,
+  ``num_gradients_to_accumulate``, ``world_size``); ``load_state_dict`` restores them when the
+  world size is the same.
 * **Single process without accumulation** raises ``RuntimeError`` (nothing to estimate from).
 * **No process group needed** when ``world_size`` is 1 (accumulation only).
 * **Adaptive optimizers.** For Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta
@@ -73,6 +82,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -85,11 +95,9 @@ from adaptrain.core.gns import (
     B3State,
     EMAState,
     GNSEstimate,
-    b3_rescale,
     b3_update,
     b3_value,
     clip_estimate,
-    ema_rescale,
     ema_update,
     ema_value,
     unbiased_estimate,
@@ -124,6 +132,26 @@ ADAPTIVE_OPTIMIZERS: tuple[type[Optimizer], ...] = tuple(
 _VAR_FLOOR = 1e-6
 
 _KEYS_PER_NAME = ("", "_biased", "_unbias", "_total")
+#: Settings :meth:`AdaScale.state_dict` records beside the averages.
+_CONFIG_KEYS = ("scale", "smoothing", "num_gradients_to_accumulate", "world_size")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+class _Callback:
+    """A function queued on the autograd engine. The engine drops its final callbacks when a
+    backward pass raises, so a weak reference to this object tells whether the backward pass
+    that queued it is still running (a reentrant backward nested in it keeps it alive)."""
+
+    __slots__ = ("fn", "__weakref__")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        self.fn()
 
 
 def _sqr_norm(grad: torch.Tensor) -> torch.Tensor:
@@ -191,8 +219,8 @@ class AdaScale(Optimizer):
             world_size = (
                 dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
             )
-        if int(world_size) < 1:
-            raise ValueError(f"world_size={world_size} must be at least 1")
+        if not _is_number(world_size) or int(world_size) != world_size or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} must be an integer ≥ 1")
         self._world_size = int(world_size)
         if self._world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
@@ -207,6 +235,7 @@ class AdaScale(Optimizer):
         self.param_groups = self._optimizer.param_groups
 
         self._in_backward = False
+        self._armed: weakref.ref | None = None  # the queued end-of-backward callback
         self._grads_divided = False
         self._clear_accumulators()
         self._num_grads_to_accum = 1
@@ -228,10 +257,7 @@ class AdaScale(Optimizer):
                 self._optimizer.state["adascale"], len(self.param_groups)
             )
         scale = self._world_size * self._num_grads_to_accum if scale is None else scale
-        if not scale >= 1:
-            raise ValueError(f"scale={scale} must be at least 1 (batch size / base batch size)")
-        # Set directly: statistics the wrapped optimizer already carries are at this scale.
-        self._scale = float(scale)
+        self._scale = self._checked_scale(scale)
         self._hook()
 
     # ------------------------------------------------------------------ state helpers
@@ -256,6 +282,8 @@ class AdaScale(Optimizer):
         """Our tensor state from ours or fairscale's (numpy arrays, keys created lazily)."""
         state = cls._fresh_state(n)
         for key, value in data.items():
+            if key in _CONFIG_KEYS:
+                continue  # settings saved by state_dict(): the constructor's arguments win
             if key not in state:
                 raise ValueError(
                     f"unknown AdaScale state entry {key!r}: not an AdaScale/fairscale state dict"
@@ -352,15 +380,8 @@ class AdaScale(Optimizer):
             param = pref()
             if self_ is None or param is None:
                 return
-            if not self_._in_backward:
-                self_._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self_._queue_final)
-            record = self_._grad_record.get(i)
-            if record is not None:
-                ref, version = record
-                cur = param.grad
-                if cur is None or ref() is not cur or cur._version != version:
-                    self_._bw_reset = True  # .grad was zeroed or changed since the last backward
+            if not self_._in_backward or self_._aborted():
+                self_._begin_backward()
             self_._pending[i] = _sqr_norm(grad)
 
         return hook
@@ -378,13 +399,52 @@ class AdaScale(Optimizer):
 
         return hook
 
+    def _queue(self, fn: Callable[[], None]) -> None:
+        cb = _Callback(fn)
+        self._armed = weakref.ref(cb)
+        torch.autograd.Variable._execution_engine.queue_callback(cb)
+
+    def _aborted(self) -> bool:
+        """The backward pass marked as running raised: the engine dropped its callback."""
+        return self._in_backward and (self._armed is None or self._armed() is None)
+
+    def _forget_aborted_backward(self) -> None:
+        """Drop what a backward pass that raised had measured (its gradients, partly
+        accumulated into ``.grad``, show up as modified at the next backward pass)."""
+        logger.warning("AdaScale: a backward pass raised; its gradient statistics are dropped")
+        self._in_backward = False
+        self._armed = None
+        self._pending.clear()
+        self._bw_sqr, self._bw_reset = {}, False
+
+    def _begin_backward(self) -> None:
+        """First gradient hook of a backward pass: arm the end-of-backward callback, and check
+        whether any ``.grad`` was zeroed, replaced or modified in place since the last one.
+
+        The check runs here, once, before this pass accumulates anything: gradients that are
+        views of one buffer (DDP's ``gradient_as_bucket_view``, flat gradient buffers) share
+        one version counter, which this pass's own accumulation would bump."""
+        if self._in_backward:
+            self._forget_aborted_backward()
+        self._in_backward = True
+        params = self._param_list
+        for i, (ref, version) in self._grad_record.items():
+            cur = params[i][2].grad
+            if cur is None or (ref() is cur and cur._version != version):
+                self._bw_reset = True  # .grad was zeroed or changed since the last backward
+                break
+            # Another tensor in its place is taken as moved, not zeroed: DDP's first bucket
+            # rebuild copies each .grad into a bucket view (gradient_as_bucket_view=True).
+        self._queue(self._queue_final)
+
     def _queue_final(self) -> None:
         # Runs after the graph; queue the real work behind callbacks queued later in the same
         # backward pass (DistributedDataParallel's gradient synchronisation is one of them).
-        torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+        self._queue(self._final_callback)
 
     def _final_callback(self) -> None:
         self._in_backward = False
+        self._armed = None
         self._pending.clear()  # gradients that were never accumulated (autograd.grad)
         if not self._bw_sqr:
             self._bw_reset = False
@@ -486,8 +546,6 @@ class AdaScale(Optimizer):
             values = flat[idx].clone()
         return i, idx, values
 
-        return float(sum(self._total_grad_sqr()))
-
     def __del__(self) -> None:
         self.unhook()
 
@@ -514,38 +572,42 @@ class AdaScale(Optimizer):
         return self._num_grads_to_accum
 
     def set_scale(self, scale: float, update_estimate: bool = True) -> None:
-        """Set ``S``; with ``update_estimate`` the variance averages move to the new base batch.
+        """Set ``S``, the batch size over the base batch size, to match the batch size in use.
 
-        ``var = tr(Σ)/B0`` is expressed at the base batch size, so when ``S`` changes at a fixed
-        batch every past sample is multiplied by ``S_old / S_new``.
+        The averages are kept in base-batch units (``sqr ≈ |∇F|²``, ``var ≈ tr(Σ)/B0``: each
+        sample is multiplied by ``S`` over the micro-batch count), which do not depend on
+        ``S``, so they stay valid at the new scale and are not changed.
+
+        Args:
+            scale: the new ``S`` (at least 1).
+            update_estimate: accepted for fairscale compatibility; it has no effect.
+                fairscale multiplies its variance average by ``S_old / S_new`` here, which
+                leaves it wrong by that factor when the scale follows the batch size (the use
+                it documents): doubling the batch halved the variance and inflated the gain
+                until the average recovered.
         """
         self._check_not_in_backward("set_scale")
-        if not scale >= 1:
-            raise ValueError(f"scale={scale} must be at least 1 (batch size / base batch size)")
-        if update_estimate:
-            f = self._scale / scale
-            name, s = "grad_var_avg", self._state
-            if self._debias_ewma:
-                s[name + "_biased"] = ema_rescale(self._ema(name), f).biased
-                s[name] = s[name] * f
-            else:
-                b3 = b3_rescale(self._b3(name), f)
-                s[name], s[name + "_total"] = b3.value, b3.total
-        self._scale = float(scale)
+        self._scale = self._checked_scale(scale)
         self._est_cache = self._avg_cache = None
+
+    @staticmethod
+    def _checked_scale(scale: Any) -> float:
+        if not _is_number(scale):
+            raise ValueError(f"scale={scale!r} must be a number ≥ 1 (batch size / base batch size)")
+        if not (math.isfinite(scale) and scale >= 1):
+            raise ValueError(
+                f"scale={scale!r} must be a finite number ≥ 1 (batch size / base batch size)"
+            )
+        return float(scale)
 
     def set_num_gradients_to_accumulate(
         self, num_gradients_to_accumulate: int, update_smoothing: bool = True
     ) -> None:
         """Set the backward passes per step; by default also the default smoothing for it."""
         self._check_not_in_backward("set_num_gradients_to_accumulate")
-        if (
-            int(num_gradients_to_accumulate) != num_gradients_to_accumulate
-            or num_gradients_to_accumulate < 1
-        ):
-            raise ValueError(
-                f"num_gradients_to_accumulate={num_gradients_to_accumulate} must be an integer ≥ 1"
-            )
+        n = num_gradients_to_accumulate
+        if not _is_number(n) or not math.isfinite(n) or int(n) != n or n < 1:
+            raise ValueError(f"num_gradients_to_accumulate={n!r} must be an integer ≥ 1")
         if (
             self.__dict__.get("_state_ready", False)
             and self._world_size * num_gradients_to_accumulate <= 1
@@ -610,6 +672,9 @@ class AdaScale(Optimizer):
 
     def _check_not_in_backward(self, what: str) -> None:
         if self.__dict__.get("_in_backward", False):
+            if self._aborted():
+                self._forget_aborted_backward()
+                return
             raise RuntimeError(f"{what}() called during a backward pass; call it after backward")
 
     # ------------------------------------------------------------------ the estimate
@@ -783,20 +848,37 @@ class AdaScale(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict; the AdaScale averages ride in its ``state``.
 
-        Take it between steps: statistics of a half-accumulated step are not saved.
+        The entry also records ``scale``, ``smoothing``, ``num_gradients_to_accumulate`` and
+        ``world_size`` (0-d tensors), which :meth:`load_state_dict` restores. Take it between
+        steps: statistics of a half-accumulated step are not saved.
         """
         self._check_not_in_backward("state_dict")
         sd = self._optimizer.state_dict()
         sd["state"] = dict(sd["state"])
-        sd["state"]["adascale"] = {k: v.clone() for k, v in self._state.items()}
+        entry = {k: v.clone() for k, v in self._state.items()}
+        entry["scale"] = torch.tensor(self._scale, dtype=torch.float64)
+        entry["smoothing"] = torch.tensor(self._smoothing, dtype=torch.float64)
+        entry["num_gradients_to_accumulate"] = torch.tensor(self._num_grads_to_accum)
+        entry["world_size"] = torch.tensor(self._world_size)
+        sd["state"]["adascale"] = entry
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or from fairscale's AdaScale)."""
+        """Load a state dict from :meth:`state_dict` (or from fairscale's AdaScale).
+
+        Like ``torch.optim``'s hyperparameters, the saved ``scale``, ``smoothing`` and
+        ``num_gradients_to_accumulate`` replace the current ones, provided the state was saved
+        at this ``world_size``; from another world size (an elastic restart) the values this
+        wrapper was built with stay, and the averages, in base-batch units, carry over.
+        """
         self._check_not_in_backward("load_state_dict")
         sd = dict(state_dict)
         sd["state"] = dict(sd["state"])
         ours = sd["state"].pop("adascale", None)
+        config = {}
+        if ours is not None:
+            ours = dict(ours)
+            config = {k: ours.pop(k) for k in _CONFIG_KEYS if k in ours}
         self._optimizer.load_state_dict(sd)
         n = len(self._optimizer.param_groups)
         self._optimizer.state["adascale"] = (
@@ -804,6 +886,24 @@ class AdaScale(Optimizer):
         )
         self.param_groups = self._optimizer.param_groups
         self._clear_accumulators()
+        if "world_size" in config:
+            saved_ws = int(config["world_size"])
+            if saved_ws == self._world_size:
+                self.set_num_gradients_to_accumulate(
+                    int(config["num_gradients_to_accumulate"]), update_smoothing=False
+                )
+                self._smoothing = float(config["smoothing"])
+                self.set_scale(float(config["scale"]))
+            else:
+                logger.info(
+                    "AdaScale: state saved at world_size=%d loaded at world_size=%d; keeping "
+                    "scale=%g, smoothing=%g, num_gradients_to_accumulate=%d",
+                    saved_ws,
+                    self._world_size,
+                    self._scale,
+                    self._smoothing,
+                    self._num_grads_to_accum,
+                )
 
     def __repr__(self) -> str:
         return (
