@@ -89,7 +89,9 @@ def _time_worker(rank, ws, shapes, rank_r, reps, steps):
 
     g = torch.Generator().manual_seed(100 + rank)
     bucket = _Bucket(shapes, g)
-    ours = PowerSGDHookState(rank=rank_r, reuse_query=True, error_feedback=True)
+    ours = PowerSGDHookState(
+        rank=rank_r, reuse_query=True, error_feedback=True, min_compression_rate=0
+    )
     theirs = th.PowerSGDState(
         process_group=None,
         matrix_approximation_rank=rank_r,

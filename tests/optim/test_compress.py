@@ -139,6 +139,92 @@ def test_powersgd_seeded_and_replayable():
     assert not torch.equal(other.qs[0], powersgd_init(SHAPES, 2, 7, torch.float64).qs[0])
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("bad", [(0, float("inf")), (1, float("nan"))])  # a matrix, a 1-D tensor
+def test_powersgd_nonfinite_step_keeps_state(bad, reuse):
+    """An overflowing gradient on one worker: every worker gets a non-finite output (so a
+    GradScaler skips the step) and keeps its state; the next finite step is the one of a run
+    that never saw the bad step."""
+    index, value = bad
+
+    def work(r, comm):
+        def run(with_bad_step):
+            state = powersgd_init(SHAPES, rank=1, seed=2, dtype=torch.float64)
+            outs = []
+            for step in range(4):
+                g = _grads(10 * step + r)
+                if step == 2:
+                    if not with_bad_step:
+                        continue
+                    if r == 1:
+                        g[index].view(-1)[3] = value
+                    before = state
+                    res, state = powersgd_update(g, state, comm, reuse_query=reuse)
+                    assert not all(torch.isfinite(o).all() for o in res.grads)
+                    assert state.step == before.step
+                    for a, b in zip(state.memories + state.qs, before.memories + before.qs):
+                        assert torch.equal(a, b)
+                    continue
+                res, state = powersgd_update(g, state, comm, reuse_query=reuse)
+                outs.append(res.grads)
+            return outs, state
+
+        return run(True), run(False)
+
+    for (outs, state), (ref_outs, ref_state) in run_workers(2, work):
+        assert state.step == ref_state.step == 3
+        for a, b in zip(state.memories + state.qs, ref_state.memories + ref_state.qs):
+            assert torch.isfinite(a).all()
+            assert torch.equal(a, b)
+        for o, ro in zip(outs, ref_outs):
+            for a, b in zip(o, ro):
+                assert torch.equal(a, b)
+
+
+def test_powersgd_query_indices_name_the_tensors():
+    """The query of a tensor depends on its query index, not on its position in the list."""
+    shapes = [(6, 4), (4, 7)]
+    a = powersgd_init(shapes, rank=2, seed=3, dtype=torch.float64, query_indices=[5, 9])
+    b = powersgd_init(shapes[::-1], rank=2, seed=3, dtype=torch.float64, query_indices=[9, 5])
+    assert torch.equal(a.qs[0], b.qs[1]) and torch.equal(a.qs[1], b.qs[0])
+    ga, gb = _grads(1, shapes), _grads(1, shapes)[::-1]
+    ra, _ = powersgd_update(ga, a, query_indices=[5, 9])
+    rb, _ = powersgd_update(gb, b, query_indices=[9, 5])
+    assert torch.equal(ra.grads[0], rb.grads[1]) and torch.equal(ra.grads[1], rb.grads[0])
+    with pytest.raises(ValueError, match="query_indices"):
+        powersgd_update(ga, a, query_indices=[5])
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_powersgd_min_compression_rate_sends_costly_matrices_dense(workers):
+    """At rate 1 a 10×10 matrix at rank 8 (P + Q: 160 numbers) is averaged exactly and
+    uncompressed, a 40×30 one (560 of 1200) is compressed; rate 0 compresses both."""
+    shapes = [(10, 10), (40, 30)]
+
+    def work(r, comm):
+        out = {}
+        for rate in (1.0, 0.0):
+            st = powersgd_init(shapes, 8, 1, torch.float64, min_compression_rate=rate)
+            kw = {"min_compression_rate": rate, "reuse_query": True}
+            for step in range(2):
+                res, st = powersgd_update(_grads(10 * step + r, shapes), st, comm, **kw)
+            out[rate] = (res, st)
+        return out
+
+    outs = run_workers(workers, work)
+    mean = [torch.stack(t).mean(0) for t in zip(*[_grads(10 + r, shapes) for r in range(workers)])]
+    res, st = outs[0][1.0]
+    assert res.sent_bytes == (100 + 40 * 8 + 30 * 8) * 8
+    assert st.qs[0].shape == (0, 0) and st.qs[1].shape == (30, 8)
+    assert_close(res.grads[0], mean[0])  # exact mean, nothing left in the memory
+    assert torch.equal(st.memories[0], torch.zeros(10, 10, dtype=torch.float64))
+    res0, st0 = outs[0][0.0]
+    assert res0.sent_bytes == (10 * 8 + 10 * 8 + 40 * 8 + 30 * 8) * 8
+    assert st0.qs[0].shape == (10, 8) and float(st0.memories[0].abs().max()) > 1e-3
+    with pytest.raises(ValueError, match="min_compression_rate"):  # a state of the other rule
+        powersgd_update(_grads(0, shapes), st, reuse_query=True)
+
+
 def test_powersgd_bad_input():
     with pytest.raises(ValueError, match="rank=0"):
         powersgd_init([(3, 3)], rank=0)

@@ -9,8 +9,11 @@ Usage with ``DistributedDataParallel`` (or any module exposing ``register_comm_h
 Each hook compresses the bucket's per-parameter gradients with the same functions the
 :mod:`adaptrain.optim` optimizers use, through :class:`TorchCommunicator`, writes the averaged
 result back into the bucket buffer and returns a completed future. Communication is blocking
-inside the hook (no overlap with backward); per-bucket compressor state lives in the hook
-state object, keyed by bucket index, and round-trips through ``state_dict()``.
+inside the hook (no overlap with backward); compressor state lives in the hook state object
+and round-trips through ``state_dict()``. :func:`powersgd_hook` keeps it per parameter (error
+memory and warm-start query) and assembles each bucket's state from those entries, so DDP's
+bucket rebuild after the first iteration loses nothing; the sparse and sign hooks keep one
+state per bucket, keyed by the bucket's parameter indices.
 
 (No ``from __future__ import annotations`` here: DDP checks the hooks' real annotations.)
 """
@@ -33,6 +36,7 @@ from adaptrain.core.compress import (
     sparse_init,
     sparse_update,
 )
+from adaptrain.core.compress.powersgd import _factor_shape  # the compressor's own rule
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +112,23 @@ def _write_back(bucket: Any, outs: list[torch.Tensor]) -> torch.Tensor:
     return buf
 
 
-class _BucketStates:
+class _ParamOrder:
+    """Maps a bucket's gradients to the model's parameter indices (when ``params`` is given)."""
+
+    def __init__(self, params: Any = None) -> None:
+        self.param_index = None if params is None else {id(p): i for i, p in enumerate(params)}
+
+    def _canonical(self, bucket: Any) -> tuple[list[torch.Tensor], list[int], list[int] | None]:
+        """The bucket's gradients in parameter-index order, that order, and the indices."""
+        grads = bucket.gradients()
+        if self.param_index is None:
+            return list(grads), list(range(len(grads))), None
+        ids = [self.param_index[id(p)] for p in bucket.parameters()]
+        order = sorted(range(len(grads)), key=lambda i: ids[i])
+        return [grads[i] for i in order], order, [ids[i] for i in order]
+
+
+class _BucketStates(_ParamOrder):
     """Per-bucket compressor states, keyed so that DDP's bucket rebuild does not scramble them.
 
     With ``params`` (the model's parameters, in a fixed order), each bucket's gradients are put
@@ -119,17 +139,14 @@ class _BucketStates:
     """
 
     def __init__(self, params: Any = None) -> None:
+        super().__init__(params)
         self.states: dict[str, Any] = {}
-        self.param_index = None if params is None else {id(p): i for i, p in enumerate(params)}
 
     def _layout(self, bucket: Any) -> tuple[list[torch.Tensor], list[int], str, int]:
-        grads = bucket.gradients()
-        if self.param_index is None:
-            return list(grads), list(range(len(grads))), f"b{bucket.index()}", bucket.index()
-        ids = [self.param_index[id(p)] for p in bucket.parameters()]
-        order = sorted(range(len(grads)), key=lambda i: ids[i])
-        key = ",".join(str(ids[i]) for i in order)
-        return [grads[i] for i in order], order, key, ids[order[0]]
+        grads, order, ids = self._canonical(bucket)
+        if ids is None:
+            return grads, order, f"b{bucket.index()}", bucket.index()
+        return grads, order, ",".join(map(str, ids)), ids[0]
 
     def _get(self, key: str, shapes: list[tuple[int, ...]], memory_shapes) -> Any:
         st = self.states.get(key)
@@ -164,10 +181,26 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class PowerSGDHookState(_BucketStates):
-    """Configuration and per-bucket :class:`PowerSGDState` for :func:`powersgd_hook`."""
+class PowerSGDHookState(_ParamOrder):
+    """Configuration and per-parameter PowerSGD state for :func:`powersgd_hook`.
 
-    _state_type = PowerSGDState
+    The state is kept per parameter, not per bucket: ``memories[key]`` (the error memory,
+    shaped like the gradient) and ``qs[key]`` (the warm-start query, ``m × r``; ``0 × 0`` for
+    tensors sent uncompressed), plus one ``step`` counter (iterations whose update went
+    through; it advances after the last bucket of an iteration unless a bucket of that
+    iteration saw non-finite values). The hook assembles each bucket's
+    :class:`~adaptrain.core.compress.PowerSGDState` from these entries and writes them back,
+    so DDP's bucket rebuild after the first iteration regroups the same tensors and no entry is
+    orphaned. With ``params`` the key is the parameter's index (``"3"``) and each fresh query
+    is drawn from ``(seed, step, parameter index)``, independent of the bucketing; without
+    ``params`` it is the bucket slot (``"b0.3"``: bucket 0, position 3); a bucket whose layout
+    (its gradients' shapes) changed is re-initialised, and the slots no bucket used in an
+    iteration are dropped.
+
+    A matrix is sent uncompressed when ``(n + m) · r · min_compression_rate ≥ n · m``: by default
+    (``1``) when ``P`` and ``Q`` would not be smaller than the matrix (e.g. ``10 × 10`` at rank 8),
+    as torch's hook does (its default is 2); ``0`` compresses every matrix.
+    """
 
     def __init__(
         self,
@@ -177,33 +210,154 @@ class PowerSGDHookState(_BucketStates):
         error_feedback: bool = True,
         seed: int = 0,
         params: Any = None,
+        min_compression_rate: float = 1.0,
     ) -> None:
         super().__init__(params)
         if int(rank) < 1:
             raise ValueError(f"rank={rank} must be a positive integer")
+        if not min_compression_rate >= 0:
+            raise ValueError(f"min_compression_rate={min_compression_rate} must be ≥ 0")
         self.process_group = process_group
         self.rank = int(rank)
         self.reuse_query = reuse_query
         self.error_feedback = error_feedback
         self.seed = int(seed)
+        self.min_compression_rate = float(min_compression_rate)
+        self.memories: dict[str, torch.Tensor] = {}
+        self.qs: dict[str, torch.Tensor] = {}
+        self.step = 0
+        self._skipped = False  # within an iteration: a bucket's update was skipped (non-finite)
+        self._used: set[str] = set()  # within an iteration: the slots buckets used
+
+    def _slots(
+        self, bucket: Any
+    ) -> tuple[list[torch.Tensor], list[int], list[str], list[int], int]:
+        """Gradients (canonical order), their order in the bucket, keys, query indices and the
+        offset added to ``seed``."""
+        grads, order, ids = self._canonical(bucket)
+        if ids is None:  # the former per-bucket seeds and query indices
+            pos = list(range(len(grads)))
+            return grads, order, [f"b{bucket.index()}.{j}" for j in pos], pos, bucket.index()
+        return grads, order, [str(i) for i in ids], ids, 0
+
+    def _assemble(
+        self, grads: list[torch.Tensor], keys: list[str], qidx: list[int], seed: int
+    ) -> PowerSGDState:
+        if self.param_index is None:  # bucket slots: the bucket's layout must match as a whole
+            bucket = keys[0].rsplit(".", 1)[0]
+            old = [self.memories.get(k) for k in keys]
+            if f"{bucket}.{len(keys)}" in self.memories or any(
+                m is None or m.shape != g.shape for m, g in zip(old, grads)
+            ):
+                if any(m is not None for m in old):
+                    logger.debug("bucket %s changed layout: PowerSGD state re-initialised", bucket)
+                for k in keys:
+                    self.memories.pop(k, None)
+                    self.qs.pop(k, None)
+        fresh = None
+        mems, qs = [], []
+        for j, (g, key) in enumerate(zip(grads, keys)):
+            mem, q = self.memories.get(key), self.qs.get(key)
+            if mem is not None and mem.shape != g.shape:
+                logger.debug("parameter %s changed shape: PowerSGD state re-initialised", key)
+                mem = q = None
+            if q is not None:
+                fs = _factor_shape(g.shape, self.rank, self.min_compression_rate)
+                if tuple(q.shape) != ((0, 0) if fs is None else fs[1:]):  # another rank or rate
+                    q = None
+            if mem is None or q is None:
+                if fresh is None:
+                    shapes = [tuple(t.shape) for t in grads]
+                    fresh = powersgd_init(
+                        shapes,
+                        self.rank,
+                        seed,
+                        g.dtype,
+                        g.device,
+                        query_indices=qidx,
+                        min_compression_rate=self.min_compression_rate,
+                    )
+                mem = fresh.memories[j] if mem is None else mem
+                q = fresh.qs[j] if q is None else q
+            mems.append(mem.to(device=g.device, dtype=g.dtype))
+            qs.append(q.to(device=g.device, dtype=g.dtype))
+        return PowerSGDState(tuple(mems), tuple(qs), self.step, seed, self.rank)
+
+    def _store(self, keys: list[str], old: PowerSGDState, new: PowerSGDState) -> None:
+        for key, mem, q in zip(keys, new.memories, new.qs):
+            self.memories[key] = mem
+            self.qs[key] = q
+        self._used.update(keys)
+        if new.step == old.step:  # non-finite values: the compressor kept the old state
+            self._skipped = True
+
+    def _end_iteration(self) -> None:
+        if not self._skipped:
+            self.step += 1
+        if self.param_index is None:  # bucket slots no bucket used any more
+            for key in [k for k in self.memories if k not in self._used]:
+                del self.memories[key]
+                self.qs.pop(key, None)
+        self._skipped = False
+        self._used = set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "memories": dict(self.memories), "qs": dict(self.qs)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; the older per-bucket format (``{"states": …}``) is
+        converted: each parameter takes its entry from the bucket state with the latest step."""
+        if "states" in sd:
+            self.step, self.memories, self.qs = _from_bucket_states(sd["states"])
+        else:
+            self.step = int(sd["step"])
+            self.memories = {str(k): v for k, v in sd["memories"].items()}
+            self.qs = {str(k): v for k, v in sd["qs"].items()}
+        self._skipped = False
+        self._used = set()
+
+
+def _from_bucket_states(states: dict[str, Any]) -> tuple[int, dict, dict]:
+    """Per-parameter entries from the per-bucket format (keys ``"0,1,2"`` or ``"b0"``)."""
+    latest: dict[str, tuple[int, torch.Tensor, torch.Tensor]] = {}
+    for key, fields in states.items():
+        st = PowerSGDState(*fields)
+        key = str(key)
+        if key.startswith("b"):
+            slots = [f"{key}.{j}" for j in range(len(st.memories))]
+        else:
+            slots = key.split(",")
+        if len(slots) != len(st.memories):
+            raise ValueError(f"PowerSGD bucket state {key!r} has {len(st.memories)} tensors")
+        for slot, mem, q in zip(slots, st.memories, st.qs):
+            if slot not in latest or st.step > latest[slot][0]:
+                latest[slot] = (int(st.step), mem, q)
+    step = max((v[0] for v in latest.values()), default=0)
+    return step, {k: v[1] for k, v in latest.items()}, {k: v[2] for k, v in latest.items()}
 
 
 def powersgd_hook(
     state: PowerSGDHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: PowerSGD-compressed mean of the bucket's gradients."""
-    grads, order, key, first = state._layout(bucket)
-    shapes = [tuple(g.shape) for g in grads]
-    st = state._get(key, shapes, lambda s: [tuple(m.shape) for m in s.memories])
-    if st is None:
-        st = powersgd_init(shapes, state.rank, state.seed + first, grads[0].dtype, grads[0].device)
-    res, state.states[key] = powersgd_update(
+    """DDP comm hook: PowerSGD-compressed mean of the bucket's gradients.
+
+    If the bucket's all-reduced values are not finite (an fp16 overflow), the output is
+    non-finite, so a ``GradScaler`` skips the step, and the stored state is left unchanged.
+    """
+    grads, order, keys, qidx, seed = state._slots(bucket)
+    st = state._assemble(grads, keys, qidx, state.seed + seed)
+    res, new = powersgd_update(
         grads,
         st,
         TorchCommunicator(state.process_group),
         reuse_query=state.reuse_query,
         error_feedback=state.error_feedback,
+        query_indices=qidx,
+        min_compression_rate=state.min_compression_rate,
     )
+    state._store(keys, st, new)
+    if bucket.is_last():
+        state._end_iteration()
     return _done(_write_back_ordered(bucket, res.grads, order))
 
 
