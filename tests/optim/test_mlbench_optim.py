@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from adaptrain.core.compress import gossip_mix
 from adaptrain.dist.spawn import spawn
 from adaptrain.optim._centralized import (
     CentralizedAdam,
@@ -492,15 +493,17 @@ def _fp16_step(model, opt, x, y):
 
 def test_fp16_skips_overflow_and_adjusts_scale():
     model, opt, x, y = _fp16_setup(
-        init_scale=2.0**20, scale_factor=2.0**8, scale_window=2, max_scale=2.0**13
+        init_scale=2.0**20, scale_factor=2.0**10, scale_window=1, max_scale=2.0**13
     )
+    assert opt.loss_scaler.loss_scale == 2.0**13  # init_scale clamped to max_scale
     w0 = model.weight.detach().clone()
-    assert _fp16_step(model, opt, x, y) is False  # loss · 2^20 overflows fp16: real inf grads
-    assert torch.equal(model.weight, w0) and opt.loss_scaler.loss_scale == 2.0**12
+    # large inputs: loss · 2^13 overflows fp16, real inf grads
+    assert _fp16_step(model, opt, x * 1000, y) is False
+    assert torch.equal(model.weight, w0) and opt.loss_scaler.loss_scale == 2.0**3
     assert _fp16_step(model, opt, x, y) is True
     assert not torch.equal(model.weight, w0)
-    assert opt.loss_scaler.loss_scale == 2.0**12
-    assert _fp16_step(model, opt, x, y) is True  # 2 clean steps: grow, clamped at max_scale
+    assert opt.loss_scaler.loss_scale == 2.0**13
+    assert _fp16_step(model, opt, x, y) is True  # clean step: grow, clamped at max_scale
     assert opt.loss_scaler.loss_scale == 2.0**13
     assert_close(model.weight.float().reshape(-1), opt.fp32_params.detach()[:24].half().float())
 
@@ -550,3 +553,285 @@ def test_sparsify_gradients_indices_are_exact_in_half_precision():
     q = small.param_groups[0]["params"][0]
     q.grad = torch.ones(8)
     assert small.sparsify_gradients(q, 0.1).dtype == torch.float32  # the parameter's dtype
+
+
+# ---------------------------------------------------------------- review fixes
+
+
+class _Branches(torch.nn.Module):
+    """``a`` is used by every worker, ``b`` by rank 0 only, ``c`` by none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (torch.nn.Linear(4, 2) for _ in range(3))
+
+
+def _branch_loss(m, x, y, rank):
+    loss = torch.nn.functional.mse_loss(m.a(x), y)
+    return loss + m.b(x).pow(2).mean() if rank == 0 else loss
+
+
+def _branch_data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(STEPS, 4, 4, generator=g), torch.randn(STEPS, 4, 2, generator=g)
+
+
+NOGRAD_KINDS = ("sgd", "sgd_by_layer", "adam")
+
+
+def _nograd_worker(rank, ws):
+    out = {}
+    for kind in NOGRAD_KINDS:
+        m = _Branches()
+        if kind == "adam":
+            opt = CentralizedAdam(ws, m, lr=0.1, weight_decay=0.1)
+        else:
+            by_layer = kind == "sgd_by_layer"
+            opt = CentralizedSGD(ws, m, lr=0.1, momentum=0.9, weight_decay=0.1, by_layer=by_layer)
+        xs, ys = _branch_data(rank)
+        for s in range(STEPS):
+            opt.zero_grad()
+            _branch_loss(m, xs[s], ys[s], rank).backward()
+            opt.step()
+        c_untouched = m.c.weight.grad is None and not opt.state[m.c.weight]
+        out[kind] = ([p.detach().clone() for p in m.parameters()], c_untouched)
+    return _np(out)
+
+
+def _branch_reference(kind, ws):
+    """One process: the mean of the workers' losses, the plain torch optimizer."""
+    m = _Branches()
+    if kind == "adam":
+        opt = torch.optim.Adam(m.parameters(), lr=0.1, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    data = [_branch_data(r) for r in range(ws)]
+    for s in range(STEPS):
+        opt.zero_grad()
+        (sum(_branch_loss(m, data[r][0][s], data[r][1][s], r) for r in range(ws)) / ws).backward()
+        opt.step()
+    return [p.detach() for p in m.parameters()]
+
+
+def test_centralized_skips_parameters_without_gradient_on_every_worker():
+    # c: no gradient anywhere → untouched (no weight decay / momentum / Adam step), as in
+    # torch.optim; b: gradient on rank 0 only → zeros on rank 1, the average applied.
+    init = [p.detach() for p in _Branches().c.parameters()]
+    runs = {2: _t(spawn(_nograd_worker, 2, timeout=120)), 1: [_t(_nograd_worker(0, 1))]}
+    for ws, res in runs.items():  # ws=1 runs here, without a process group
+        for kind in NOGRAD_KINDS:
+            ref = _branch_reference(kind, ws)
+            for params, c_untouched in (r[kind] for r in res):
+                assert c_untouched, (ws, kind)
+                for a, b in zip(params[4:], init):
+                    assert torch.equal(a, b), (ws, kind)
+                for a, b in zip(params, ref):
+                    assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{ws} {kind}")
+
+
+def _sparse_nograd_worker(rank, ws):
+    torch.manual_seed(0)
+    used, some, unused = (torch.nn.Linear(4, 2) for _ in range(3))
+    params = [*used.parameters(), *some.parameters(), *unused.parameters()]
+    before = [p.detach().clone() for p in params]
+    opt = CentralizedSparsifiedSGD(
+        params, lr=0.5, weight_decay=0.5, sparse_grad_size=8, world_size=ws
+    )
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=g)
+        (used(x).sum() + (some(x).sum() if rank == 0 else 0)).backward()
+        opt.step()
+    memory = [opt.state[p]["memory"] for p in params]
+    return _np(([p.detach().clone() for p in params], before, memory))
+
+
+def test_centralized_sparsified_skips_parameters_without_gradient_on_every_worker():
+    res = _t(spawn(_sparse_nograd_worker, 2, timeout=120))
+    for r in range(2):
+        after, before, memory = res[r]
+        for a, b in zip(after, res[0][0]):
+            assert torch.equal(a, b)  # replicas identical
+        for a, b, mem in zip(after[4:], before[4:], memory[4:]):
+            assert torch.equal(a, b) and not mem.any()  # no gradient anywhere: skipped
+        assert not torch.equal(after[2], before[2])  # gradient on rank 0 only: applied
+    after, before, memory = _t(_sparse_nograd_worker(0, 1))  # the same rule at world size 1
+    assert all(torch.equal(a, b) for a, b in zip(after[4:], before[4:]))
+
+
+PARAM_GROUP_KINDS = ("add_param_group", "custom", "weights")
+
+
+def _param_group_run(kind, ws, rank):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    extra = torch.nn.Parameter(torch.ones(3))  # not in `model`
+    if kind == "custom":
+        inner = torch.optim.SGD([*m.parameters(), extra], lr=0.1)
+        opt = CustomCentralizedOptimizer(m, ws, inner, average_world=True)
+    else:
+        opt = CentralizedSGD(None, m, lr=0.1, agg_grad=kind != "weights")
+        opt.add_param_group({"params": [extra], "lr": 0.2})
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        m(torch.randn(4, 3, generator=g) * extra).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in (*m.parameters(), extra)], opt.world_size
+
+
+def _param_group_worker(rank, ws):
+    return _np({kind: _param_group_run(kind, ws, rank) for kind in PARAM_GROUP_KINDS})
+
+
+def _param_group_reference(kind, ws):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    extra = torch.nn.Parameter(torch.ones(3))
+    lr_extra = 0.1 if kind == "custom" else 0.2
+    opt = torch.optim.SGD([{"params": m.parameters()}, {"params": [extra], "lr": lr_extra}], lr=0.1)
+    gens = [torch.Generator().manual_seed(10 + r) for r in range(ws)]
+    for _ in range(STEPS):
+        opt.zero_grad()
+        xs = [torch.randn(4, 3, generator=g) for g in gens]
+        (sum(m(x * extra).pow(2).mean() for x in xs) / ws).backward()
+        opt.step()
+    return [p.detach() for p in (*m.parameters(), extra)]
+
+
+def test_centralized_aggregate_added_groups_and_optimizer_params_outside_model():
+    res = _t(spawn(_param_group_worker, 2, timeout=120))
+    for kind in PARAM_GROUP_KINDS:
+        ref = _param_group_reference(kind, 2)
+        for r in range(2):
+            params, world_size = res[r][kind]
+            assert world_size == 2  # world_size=None: the process group's size
+            for a, b in zip(params, res[0][kind][0]):
+                assert torch.equal(a, b), kind  # replicas identical, `extra` included
+            for a, b in zip(params, ref):
+                assert_close(a, b, rtol=1e-5, atol=1e-6, msg=kind)
+
+
+def test_centralized_world_size_none_and_missing_lr():
+    m = _model()
+    assert CentralizedSGD(None, m, lr=0.1).world_size == 1
+    assert CentralizedAdam(model=m, lr=0.1).world_size == 1
+    with pytest.raises(ValueError, match="world_size=0"):
+        CentralizedSGD(0, m, lr=0.1)
+    with pytest.raises(ValueError, match="lr is required"):
+        CentralizedSGD(1, m)
+    with pytest.raises(ValueError, match="lr is required"):
+        DecentralizedSGD(0, [1], m)
+
+
+def _check_wrapper_hooks(opt, m):
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", o)))
+    opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o)))
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: calls.append(("global-pre", o))),
+        register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global-post", o))),
+    ]
+    try:
+        for _ in range(2):
+            opt.zero_grad()
+            m(torch.ones(2, 64)).sum().backward()
+            opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert [c[0] for c in calls] == ["pre", "global-pre", "global-post", "post"] * 2
+    # the wrapper's hooks see the wrapper; the global ones fire once, with the wrapped optimizer
+    assert all(o is (opt.optimizer if n.startswith("global") else opt) for n, o in calls)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append(("sd-pre", o)))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "tag": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append(("load-pre", sd["tag"])))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append(("load-post", o)))
+    sd = opt.state_dict()
+    assert sd["tag"] == 1
+    opt.load_state_dict(sd)
+    assert seen == [("sd-pre", opt), ("load-pre", 1), ("load-post", opt)]
+
+
+def test_centralized_wrapper_hooks_fire_once_per_step():
+    m = _model()
+    _check_wrapper_hooks(CentralizedSGD(1, m, lr=0.1, momentum=0.9), m)
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    _check_wrapper_hooks(CustomCentralizedOptimizer(m, 1, inner, average_world=True), m)
+
+
+def test_fp16_load_state_dict_before_set_optimizer_keeps_inner_state():
+    model, opt, x, y = _fp16_setup(init_scale=128)
+    opt.set_optimizer(torch.optim.SGD([opt.fp32_params], lr=0.1, momentum=0.9))
+    for _ in range(2):
+        assert _fp16_step(model, opt, x, y)
+    saved = copy.deepcopy(opt.state_dict())
+    assert _fp16_step(model, opt, x, y)
+    model2 = torch.nn.Linear(8, 3).half()
+    opt2 = FP16Optimizer(model2, 1, average_world=True, init_scale=128)
+    opt2.load_state_dict(saved)  # before set_optimizer
+    assert opt2.state_dict()["optimizer"] is not None  # round-trips while pending
+    opt2.set_optimizer(torch.optim.SGD([opt2.fp32_params], lr=0.1, momentum=0.9))
+    assert "momentum_buffer" in opt2.optimizer.state[opt2.fp32_params]
+    assert _fp16_step(model2, opt2, x, y)
+    assert torch.equal(opt2.fp32_params.detach(), opt.fp32_params.detach())
+
+
+def test_fp16_validates_world_size_and_scales():
+    model = torch.nn.Linear(2, 2).half()
+    with pytest.raises(ValueError, match="world_size=0"):
+        FP16Optimizer(model, 0, average_world=True)
+    with pytest.raises(ValueError, match="min_scale=-1"):
+        FP16Optimizer(model, 1, min_scale=-1, average_world=True)
+    with pytest.raises(ValueError, match="min_scale=2048"):
+        FP16Optimizer(model, 1, init_scale=1024, min_scale=2048, average_world=True)
+    with pytest.raises(ValueError, match="max_scale=0"):
+        FP16Optimizer(model, 1, max_scale=0, average_world=True)
+    opt = FP16Optimizer(model, 1, init_scale=2.0**20, max_scale=2.0**13, average_world=True)
+    assert opt.loss_scaler.loss_scale == 2.0**13
+
+
+def _bad_graph_worker(rank, ws):
+    m = torch.nn.Linear(2, 2)
+    ring = ring_neighbors(rank, ws)
+    cases = {
+        "asymmetric": (rank, [(rank + 1) % ws]),  # directed ring
+        "out_of_range": (rank, ring + [5] if rank == 1 else ring),
+        "wrong_rank": (rank + 10 if rank == 2 else rank, ring),
+        "one_rank_bad_args": (rank, [] if rank == 1 else ring),
+        "ok": (rank, ring),
+    }
+    out = {}
+    for name, (r, nbrs) in cases.items():
+        try:
+            DecentralizedSGD(r, nbrs, m, lr=0.1)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_decentralized_rejects_bad_neighbour_graphs_on_every_rank():
+    # each bad case used to hang in the first exchange until the process-group timeout
+    res = spawn(_bad_graph_worker, 3, timeout=60)
+    for out in res:
+        assert "rank 0 lists neighbour 1 but rank 1 does not list 0" in out["asymmetric"]
+        assert "on rank 1: neighbors [5] out of range" in out["out_of_range"]
+        assert "on rank 2: rank=12" in out["wrong_rank"]
+        assert "on rank 1: neighbors=[]" in out["one_rank_bad_args"]
+        assert out["ok"] is None
+
+
+def test_gossip_mix_leaves_identical_replicas_unchanged():
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(gossip_mix(x, [x.clone(), x.clone()]), x)
+    assert torch.equal(gossip_mix(x, [x.clone() for _ in range(4)]), x)
+    assert_close(gossip_mix(x, [x + 3, x - 6]), x - 1)

@@ -10,11 +10,17 @@ steps locally, then the weights are averaged (model averaging).
 
 Fixes over mlbench-core 3.0.0: ``CentralizedSGD``/``CentralizedAdam`` construct (their
 ``super()`` call was broken); a closure is evaluated *before* aggregation (so it cannot
-overwrite the averaged gradients); parameters without a gradient take part as zeros.
+overwrite the averaged gradients); a parameter without a gradient on *any* worker keeps
+``grad=None`` (the wrapped optimizer skips it, as ``torch.optim`` does in one process), while one
+with a gradient on some worker takes part as zeros on the others; the parameters aggregated are
+the model's trainable ones plus every parameter of the wrapped optimizer's groups (including
+groups added later with ``add_param_group``); ``world_size=None`` means the process group's size;
+step and state-dict hooks registered on the wrapper fire.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections import OrderedDict
@@ -51,7 +57,15 @@ def call_tracker(tracker: Any, name: str) -> None:
 
 
 def group_world_size(world_size: int | None, group: Any = None) -> int:
-    """Check ``world_size`` against the process group (if any) and return the effective size."""
+    """Check ``world_size`` against the process group (if any) and return the effective size.
+
+    ``None`` means the process group's size (1 without a process group).
+    """
+    if world_size is not None and (isinstance(world_size, bool) or int(world_size) < 1):
+        raise ValueError(
+            f"world_size={world_size!r}: pass the number of workers (>= 1), or None for the "
+            "process group's size"
+        )
     if dist.is_available() and dist.is_initialized():
         actual = dist.get_world_size(group)
         if world_size is not None and int(world_size) != actual:
@@ -102,15 +116,44 @@ class AllReduceAggregator:
         else:
             raise ValueError(f"aggregation mode {mode!r}; choose 'avg_world' or 'avg_custom'")
 
-    def _agg(self, t: torch.Tensor, mode: str, denom: Any) -> torch.Tensor:
+    def _agg(
+        self, t: torch.Tensor, mode: str, denom: Any, n_div: int | None = None
+    ) -> torch.Tensor:
+        """Sum ``t`` over the workers in place; divide its first ``n_div`` elements (all)."""
+        part = t if n_div is None else t[:n_div]
         if self.divide_before:
-            self._divide(t, mode, denom)
+            self._divide(part, mode, denom)
         self.sent_bytes += t.numel() * t.element_size()
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)
         if not self.divide_before:
-            self._divide(t, mode, denom)
+            self._divide(part, mode, denom)
         return t
+
+    def _reduce_flat(
+        self,
+        tensors: list[torch.Tensor],
+        mode: str,
+        denom: Any,
+        extra: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
+        """One packed all-reduce of ``tensors`` (averaged, written back in place) followed by
+        ``extra`` (summed, not divided); returns the summed ``extra``."""
+        dtype = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        parts = [t.reshape(-1) for t in tensors]
+        n_div = sum(t.numel() for t in parts)
+        if extra is not None:
+            parts.append(extra.to(device=parts[0].device, dtype=dtype))
+        flat = torch.cat(parts)
+        if self.device is not None:
+            flat = flat.to(self.device)
+        flat = self._agg(flat, mode, denom, n_div)
+        off = 0
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[off : off + n].view_as(t))
+            off += n
+        return flat[n_div:] if extra is not None else None
 
     def reduce_(
         self, tensors: list[torch.Tensor], mode: str = AVG_WORLD, denom: Any = None
@@ -125,24 +168,41 @@ class AllReduceAggregator:
                 if out is not t:
                     t.copy_(out)
             return
-        flat = torch.cat([t.reshape(-1) for t in tensors])
-        if self.device is not None:
-            flat = flat.to(self.device)
-        flat = self._agg(flat, mode, denom)
-        off = 0
-        for t in tensors:
-            n = t.numel()
-            t.copy_(flat[off : off + n].view_as(t))
-            off += n
+        self._reduce_flat(tensors, mode, denom)
 
     def grads_(
         self, params: list[torch.nn.Parameter], mode: str = AVG_WORLD, denom: Any = None
     ) -> None:
-        """Aggregate the gradients of ``params`` in place (missing gradients count as zeros)."""
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.reduce_([p.grad for p in params], mode, denom)
+        """Aggregate the gradients of ``params`` in place.
+
+        Rule for missing gradients: every worker also contributes a per-parameter "has a
+        gradient" flag, summed over the workers. A parameter with a gradient on no worker keeps
+        ``grad=None``, so the wrapped optimizer skips it (no weight decay, momentum or Adam
+        step), as ``torch.optim`` does in one process; one with a gradient on at least one worker
+        counts as zeros on the workers without one, and every worker gets the average. The
+        flags travel in the packed buffer (one extra element per parameter, no extra
+        collective); with ``by_layer`` they take one small all-reduce first, and parameters
+        without a gradient anywhere are not sent at all. The same holds at world size 1.
+        """
+        if not params:
+            return
+        flags = torch.tensor([float(p.grad is not None) for p in params])
+        if self.by_layer:
+            if self.world_size > 1:
+                flags = flags.to(self.device or params[0].device)
+                self.sent_bytes += flags.numel() * flags.element_size()
+                dist.all_reduce(flags, group=self.group)
+            live = [p for p, c in zip(params, flags.tolist()) if c > 0]
+            for p in live:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self.reduce_([p.grad for p in live], mode, denom)
+            return
+        bufs = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        counts = self._reduce_flat(bufs, mode, denom, extra=flags)
+        for p, buf, c in zip(params, bufs, counts.tolist()):
+            if c > 0 and p.grad is None:
+                p.grad = buf
 
     @torch.no_grad()
     def weights_(self, params: list[torch.nn.Parameter]) -> None:
@@ -150,8 +210,43 @@ class AllReduceAggregator:
         self.reduce_([p.data for p in params], AVG_WORLD)
 
 
+def _with_step_hooks(step):
+    """Run the hooks registered with the wrapper's ``register_step_pre_hook`` /
+    ``register_step_post_hook`` around ``step``, with the wrapper as their first argument and
+    the same contract as ``torch.optim.Optimizer`` (a pre-hook may return new
+    ``(args, kwargs)``). The global hooks (``register_optimizer_step_pre_hook`` ...) are not
+    run here: they fire once per step, around the wrapped optimizer's own step (so they see the
+    wrapped optimizer, after the aggregation)."""
+
+    @functools.wraps(step)
+    def wrapper(*args, **kwargs):
+        self = args[0]
+        for hook in list(self._optimizer_step_pre_hooks.values()):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(
+                        f"a step pre-hook must return None or (new_args, new_kwargs), got "
+                        f"{result!r}"
+                    )
+                args, kwargs = result
+        out = step(*args, **kwargs)
+        for hook in list(self._optimizer_step_post_hooks.values()):
+            hook(self, args, kwargs)
+        return out
+
+    return wrapper
+
+
 class _WrappedOptimizer(Optimizer):
-    """A ``torch.optim.Optimizer`` that delegates param groups and state to ``self.optimizer``."""
+    """A ``torch.optim.Optimizer`` that delegates param groups and state to ``self.optimizer``.
+
+    Hooks registered on the wrapper (``register_step_pre_hook``/``post_hook``,
+    ``register_state_dict_pre_hook``/``post_hook``,
+    ``register_load_state_dict_pre_hook``/``post_hook``) fire around the wrapper's own
+    ``step`` / ``state_dict`` / ``load_state_dict`` with the wrapper as argument; hooks
+    registered on the wrapped optimizer, and the global step hooks, fire around its calls.
+    """
 
     def _init_wrapper(self, optimizer: Optimizer | None) -> None:
         # Optimizer.__init__ is not called: the wrapped optimizer owns groups and state.
@@ -203,10 +298,24 @@ class _WrappedOptimizer(Optimizer):
         self._inner().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._inner().state_dict()
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
+        state_dict = self._inner().state_dict()
+        for hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = state_dict.copy()
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         self._inner().load_state_dict(state_dict)
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
 
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
@@ -221,8 +330,13 @@ class _WrappedOptimizer(Optimizer):
 class GenericCentralizedOptimizer(_WrappedOptimizer):
     """Synchronous all-reduce optimizer around ``self.optimizer`` (set by subclasses).
 
+    The parameters aggregated are the model's trainable parameters followed by every other
+    parameter of the wrapped optimizer's groups (deduplicated, in that fixed order), so groups
+    added with :meth:`add_param_group` stay identical on all workers.
+
     Args:
-        world_size: number of workers (must match the process group; 1 without one).
+        world_size: number of workers (must match the process group; 1 without one); ``None``:
+            the process group's size.
         model: the module whose parameters are aggregated.
         use_cuda: aggregate in CUDA buffers.
         by_layer: one all-reduce per parameter instead of one packed buffer.
@@ -244,8 +358,6 @@ class GenericCentralizedOptimizer(_WrappedOptimizer):
         optimizer: Optimizer | None = None,
         process_group: Any = None,
     ) -> None:
-        if not world_size:
-            raise ValueError(f"world_size={world_size!r}: pass the number of workers")
         if model is None:
             raise ValueError("model=None: pass the nn.Module to optimize")
         self._init_wrapper(optimizer)
@@ -260,7 +372,16 @@ class GenericCentralizedOptimizer(_WrappedOptimizer):
             self.agg.weights_(self._params())  # start from identical replicas
 
     def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        """The model's trainable parameters, then the wrapped optimizer's other parameters."""
+        candidates = [p for p in self.model.parameters() if p.requires_grad]
+        if self.optimizer is not None:
+            candidates.extend(p for g in self.optimizer.param_groups for p in g["params"])
+        out, seen = [], set()
+        for p in candidates:
+            if id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        return out
 
     def _closure_loss(self, closure):
         if closure is None:
@@ -268,6 +389,7 @@ class GenericCentralizedOptimizer(_WrappedOptimizer):
         with torch.enable_grad():
             return closure()
 
+    @_with_step_hooks
     def step(self, closure=None, tracker=None):  # type: ignore[override]
         """Evaluate ``closure`` (if any), aggregate, step; returns the closure's loss."""
         loss = self._closure_loss(closure)
@@ -305,6 +427,8 @@ class CentralizedSGD(GenericCentralizedOptimizer):
     ) -> None:
         if model is None:
             raise ValueError("model=None: pass the nn.Module to optimize")
+        if lr is required:
+            raise ValueError("lr is required: pass the learning rate, e.g. lr=0.1")
         inner = SGD(
             model.parameters(),
             lr=lr,
@@ -410,6 +534,7 @@ class CustomCentralizedOptimizer(GenericCentralizedOptimizer):
         self.grad_clip = float(grad_clip)
         self.agg_mode = AVG_WORLD if average_world else AVG_CUSTOM
 
+    @_with_step_hooks
     def step(self, closure=None, tracker=None, denom=None):  # type: ignore[override]
         """Aggregate (dividing by ``denom`` under ``average_custom``), clip, step; returns True."""
         self._closure_loss(closure)

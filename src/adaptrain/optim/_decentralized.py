@@ -5,7 +5,10 @@ Each step: a local SGD step, then one gossip round over the graph: every worker 
 (flattened, or per-layer) parameters with its ``neighbors`` and sets
 ``x_i ← (x_i + Σ_{j∈N(i)} x_j) / (|N(i)|+1)`` (:func:`adaptrain.core.compress.gossip_mix`).
 The neighbour relation must be symmetric (if ``j ∈ N(i)`` then ``i ∈ N(j)``). Unlike
-mlbench-core 3.0.0, rank 0 is accepted.
+mlbench-core 3.0.0, rank 0 is accepted, and with a process group the constructor is collective:
+the workers exchange their ``(rank, neighbors)`` once (one ``all_gather_object``) and all raise
+the same :class:`ValueError` for a wrong rank, a neighbour out of range or an asymmetric relation,
+instead of hanging in the first exchange until the process-group timeout.
 """
 
 from __future__ import annotations
@@ -28,12 +31,51 @@ def ring_neighbors(rank: int, world_size: int) -> list[int]:
     return sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
 
 
+def _check_graph(rank, neighbors, problems: list[str], group: Any) -> list[str]:
+    """Exchange every worker's ``(rank, neighbors, problems)`` and return all problems found,
+    each naming the worker: its own argument errors, ``rank`` differing from its rank in the
+    group, neighbours outside ``[0, world size)``, and neighbour pairs listed on one side only.
+    Every worker gets the same list, so all raise together."""
+    world = dist.get_world_size(group)
+    try:
+        mine = [int(n) for n in neighbors or []]
+    except (TypeError, ValueError):
+        mine = []
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (rank, mine, problems), group=group)
+    out = []
+    for i, (r, nbrs, probs) in enumerate(gathered):
+        out.extend(f"on rank {i}: {p}" for p in probs)
+        if probs:
+            continue
+        if int(r) != i:
+            out.append(
+                f"on rank {i}: rank={r} but this worker's rank in the process group is {i}: "
+                "pass rank=torch.distributed.get_rank(group)"
+            )
+        bad = [n for n in nbrs if not 0 <= n < world]
+        if bad:
+            out.append(f"on rank {i}: neighbors {bad} out of range: ranks go from 0 to {world - 1}")
+    for i, (_, nbrs, probs) in enumerate(gathered):
+        for j in sorted(set(nbrs)):
+            if probs or not 0 <= j < world or gathered[j][2]:
+                continue  # already reported
+            if i not in gathered[j][1]:
+                out.append(
+                    f"rank {i} lists neighbour {j} but rank {j} does not list {i}: the neighbour "
+                    f"relation must be symmetric (add {i} to rank {j}'s neighbors or remove {j} "
+                    f"from rank {i}'s)"
+                )
+    return out
+
+
 class DecentralizedSGD(SGD):
     """SGD followed by one gossip averaging round with the graph neighbours.
 
     Args:
-        rank: this worker's rank (0 allowed).
-        neighbors: ranks of this worker's neighbours (symmetric relation, without ``rank``).
+        rank: this worker's rank in the process group (0 allowed).
+        neighbors: ranks (in the process group) of this worker's neighbours (symmetric
+            relation, without ``rank``).
         model: module whose parameters are optimized and gossiped.
         lr, momentum, dampening, weight_decay, nesterov: as :class:`torch.optim.SGD`.
         average_world: must be ``True`` (uniform gossip averaging).
@@ -57,16 +99,23 @@ class DecentralizedSGD(SGD):
         *,
         process_group: Any = None,
     ) -> None:
+        problems = []  # collected first: with a process group every worker must reach the gather
         if rank is None or int(rank) < 0:
-            raise ValueError(f"rank={rank!r}: pass this worker's rank (0, 1, ...)")
+            problems.append(f"rank={rank!r}: pass this worker's rank (0, 1, ...)")
         if not neighbors:
-            raise ValueError(f"neighbors={neighbors!r}: pass the ranks of this worker's neighbours")
-        if int(rank) in [int(n) for n in neighbors]:
-            raise ValueError(f"rank {rank} is in its own neighbors {list(neighbors)}: remove it")
+            problems.append(f"neighbors={neighbors!r}: pass the ranks of this worker's neighbours")
+        elif rank is not None and int(rank) in [int(n) for n in neighbors]:
+            problems.append(f"rank {rank} is in its own neighbors {list(neighbors)}: remove it")
         if model is None:
-            raise ValueError("model=None: pass the nn.Module to optimize")
+            problems.append("model=None: pass the nn.Module to optimize")
         if not average_world:
-            raise ValueError("average_world=False is not supported: gossip averages the models")
+            problems.append("average_world=False is not supported: gossip averages the models")
+        if lr is required:
+            problems.append("lr is required: pass the learning rate, e.g. lr=0.1")
+        if dist.is_available() and dist.is_initialized():
+            problems = _check_graph(rank, neighbors, problems, process_group)
+        if problems:
+            raise ValueError("; ".join(problems))
         super().__init__(
             model.parameters(),
             lr=lr,
@@ -80,14 +129,20 @@ class DecentralizedSGD(SGD):
         self.model = model
         self.by_layer = by_layer
         self.process_group = process_group
+        # isend/irecv take global ranks; the neighbours are ranks in the group
+        self._peers = {
+            n: n if process_group is None else dist.get_global_rank(process_group, n)
+            for n in self.neighbors
+        }
 
     def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
         t = t.contiguous()
         bufs = {n: torch.empty_like(t) for n in self.neighbors}
         reqs = []
         for n in self.neighbors:
-            reqs.append(dist.isend(t, dst=n, group=self.process_group))
-            reqs.append(dist.irecv(bufs[n], src=n, group=self.process_group))
+            peer = self._peers[n]
+            reqs.append(dist.isend(t, dst=peer, group=self.process_group))
+            reqs.append(dist.irecv(bufs[n], src=peer, group=self.process_group))
         for r in reqs:
             r.wait()
         return [bufs[n] for n in self.neighbors]

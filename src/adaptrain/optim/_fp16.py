@@ -35,7 +35,10 @@ __all__ = ["DynamicLossScaler", "FP16Optimizer"]
 
 
 class DynamicLossScaler:
-    """Loss scale that backs off on overflow and grows after ``scale_window`` clean steps."""
+    """Loss scale that backs off on overflow and grows after ``scale_window`` clean steps.
+
+    ``init_scale`` above ``max_scale`` starts at ``max_scale``.
+    """
 
     def __init__(
         self,
@@ -44,11 +47,19 @@ class DynamicLossScaler:
         scale_window: int = 2000,
         max_scale: float | None = None,
     ) -> None:
-        if init_scale <= 0 or scale_factor <= 1 or scale_window < 1:
+        if not (init_scale > 0 and math.isfinite(init_scale)) or not (
+            scale_factor > 1 and math.isfinite(scale_factor)
+        ):
             raise ValueError(
-                f"init_scale={init_scale} must be > 0, scale_factor={scale_factor} > 1 and "
-                f"scale_window={scale_window} >= 1"
+                f"init_scale={init_scale} must be finite and > 0, scale_factor={scale_factor} "
+                "finite and > 1"
             )
+        if scale_window < 1:
+            raise ValueError(f"scale_window={scale_window} must be >= 1")
+        if max_scale is not None:
+            if not max_scale > 0:
+                raise ValueError(f"max_scale={max_scale} must be > 0 (or None for no maximum)")
+            init_scale = min(init_scale, max_scale)
         self.loss_scale = float(init_scale)
         self.scale_factor = float(scale_factor)
         self.scale_window = int(scale_window)
@@ -82,7 +93,10 @@ class DynamicLossScaler:
 class FP16Optimizer:
     """fp16 model + flat fp32 master weights + dynamic loss scale (see module docstring).
 
-    Call :meth:`set_optimizer` with an optimizer over ``[self.fp32_params]`` before stepping.
+    Call :meth:`set_optimizer` with an optimizer over ``[self.fp32_params]`` before stepping; a
+    :meth:`load_state_dict` before it keeps the optimizer's saved state and loads it into the
+    optimizer that :meth:`set_optimizer` receives. ``init_scale`` is clamped to ``max_scale``;
+    ``min_scale`` must lie in ``[0, init_scale)``.
     ``use_horovod`` is not supported (raises). Exactly one of ``average_world`` /
     ``average_custom`` must be set.
     """
@@ -114,8 +128,13 @@ class FP16Optimizer:
             )
         self.fp16_model = fp16_model
         self.world_size = group_world_size(world_size, process_group)
-        self.fp32_params = self.initialize_flat_fp32_weight()
         self.loss_scaler = DynamicLossScaler(init_scale, scale_factor, scale_window, max_scale)
+        if not (0 <= min_scale < self.loss_scaler.loss_scale):
+            raise ValueError(
+                f"min_scale={min_scale} must be >= 0 and below the initial loss scale "
+                f"{self.loss_scaler.loss_scale} (init_scale, clamped to max_scale)"
+            )
+        self.fp32_params = self.initialize_flat_fp32_weight()
         self.min_scale = float(min_scale)
         self.grad_clip = float(grad_clip)
         self.optimizer: Optimizer | None = None
@@ -124,9 +143,16 @@ class FP16Optimizer:
         )
         self.agg_mode = AVG_WORLD if average_world else AVG_CUSTOM
         self.skipped_steps = 0
+        self._pending_optimizer_state: dict[str, Any] | None = None
 
     def set_optimizer(self, optimizer: Optimizer) -> None:
-        """Set the optimizer of the fp32 master weights (built over ``[self.fp32_params]``)."""
+        """Set the optimizer of the fp32 master weights (built over ``[self.fp32_params]``).
+
+        If :meth:`load_state_dict` ran before, the optimizer state it held is loaded now.
+        """
+        if self._pending_optimizer_state is not None:
+            optimizer.load_state_dict(self._pending_optimizer_state)
+            self._pending_optimizer_state = None
         self.optimizer = optimizer
 
     def _fp16_params(self) -> list[torch.nn.Parameter]:
@@ -207,7 +233,11 @@ class FP16Optimizer:
         return {
             "fp32_params": self.fp32_params.detach().clone(),
             "loss_scaler": self.loss_scaler.state_dict(),
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "optimizer": (
+                self.optimizer.state_dict()
+                if self.optimizer is not None
+                else self._pending_optimizer_state
+            ),
             "skipped_steps": self.skipped_steps,
         }
 
@@ -216,6 +246,9 @@ class FP16Optimizer:
             self.fp32_params.copy_(sd["fp32_params"])
         self.fp32_to_fp16_weights(self.fp16_model, self.fp32_params)
         self.loss_scaler.load_state_dict(sd["loss_scaler"])
-        if sd.get("optimizer") is not None and self.optimizer is not None:
-            self.optimizer.load_state_dict(sd["optimizer"])
+        if sd.get("optimizer") is not None:
+            if self.optimizer is not None:
+                self.optimizer.load_state_dict(sd["optimizer"])
+            else:  # loaded by set_optimizer
+                self._pending_optimizer_state = sd["optimizer"]
         self.skipped_steps = int(sd.get("skipped_steps", 0))

@@ -138,14 +138,30 @@ class SparsifiedSGD(Optimizer):
                 loss = closure()
         comm = self._comm()
         scale = self._scale(comm)
+        live = self._has_grad_anywhere(comm)
         index = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is not None or comm.world_size > 1:
+                if live[index]:
                     res = self._round(p, group["lr"], group["weight_decay"], index, comm)
                     p.sub_(res.update if scale == 1.0 else res.update * scale)
                 index += 1
         return loss
+
+    def _has_grad_anywhere(self, comm) -> list[bool]:
+        """Per parameter: whether any worker has a gradient for it.
+
+        A parameter with a gradient on no worker is skipped (no weight decay, nothing enters
+        its memory), as ``torch.optim.SGD`` does; one with a gradient on some worker takes part
+        everywhere, as zeros where it is missing. With several workers this costs one small
+        all-reduce of the flags per step, so all workers run the same collectives.
+        """
+        params = self._params()
+        flags = [p.grad is not None for p in params]
+        if comm.world_size == 1 or not params:
+            return flags
+        t = torch.tensor([float(f) for f in flags], device=params[0].device)
+        return [v > 0 for v in comm.all_reduce_mean(t).tolist()]
 
     @torch.no_grad()
     def update_estimated_weights(self, iteration: int, sparse_vector_size: int) -> None:
@@ -166,7 +182,9 @@ class CentralizedSparsifiedSGD(SparsifiedSGD):
     """Sparsified SGD with memory where the workers average the selected coordinates.
 
     All workers select the same coordinates (shared seed), so one all-reduce of ``k`` values
-    per parameter replaces the dense gradient all-reduce.
+    per parameter replaces the dense gradient all-reduce. A parameter with a gradient on no
+    worker is skipped, at any world size; one with a gradient on some worker counts as zeros on
+    the others (one small all-reduce of "has a gradient" flags per step decides).
     """
 
     def __init__(
