@@ -21,7 +21,7 @@ the models' alternating use of the caches.)
 
     python benchmarks/bench_overhead.py [--reps 21] [--steps 62] [--configs 0 1 2 3]
                                         [--variants ddp ddp2 adp]
-                                        [--out benchmarks/results/overhead.md]
+                                        [--out overhead_run.md]
 """
 
 from __future__ import annotations
@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         "put each ADP block closer in time to its DDP block",
     )
     args = ap.parse_args(argv)
+    if args.reps < 2:
+        ap.error(f"--reps {args.reps}: at least 2 repetitions (the spread needs two)")
     if any(not 0 <= i < len(CONFIGS) for i in args.configs):
         ap.error(f"--configs {args.configs}: indices must lie in 0..{len(CONFIGS) - 1}")
     variants = tuple(k for k in VARIANTS if k in set(args.variants) | {"ddp", "adp"})

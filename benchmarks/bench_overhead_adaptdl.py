@@ -9,7 +9,7 @@ Two gloo processes on 127.0.0.1 hold three copies of the same model (same initia
   (installed privately and patched by ``_adaptdl_ref.py``)
 
 all at a fixed global batch size (no autoscaling; both adaptive wrappers still collect their
-gradient statistics: AdaptDL on every step, adaptrain on sampled steps, one in 16 once past its
+gradient statistics: AdaptDL on every step, adaptrain on sampled steps, one in 62 at the initial batch size once past its
 early every-step phase, which its warm-up covers). A *round* runs ``--steps`` timed steps (after
 warm-up) of each variant, in a rotating order; a step is one loop iteration (next batch,
 forward, backward, all-reduce, optimizer step), timed with ``perf_counter`` on rank 0. The

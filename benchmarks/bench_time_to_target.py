@@ -28,6 +28,10 @@ Tasks (real data):
 * ``digits``: DigitsNet CNN on sklearn's digits, SGD+momentum ``lr0 = 0.02``; target: test
   accuracy ≥ ``--digits-target``.
 
+Each repetition ``k`` shuffles with seed ``k``: the sweep's ``DistributedSampler`` and, since
+session 14, adaptrain's ``ElasticSampler`` (before, every adaptrain repetition replayed
+repetition 0's data order); AdaptDL's sampler is seeded by the epoch only.
+
 A run that misses the target within ``--limit`` seconds of training counts as ``inf``.
 Every run collects Python's garbage once (``gc.collect()``) just before its clock starts. A
 full collection takes ~0.2 s in these processes (torch, ``torch._dynamo`` and scipy imported),
@@ -232,6 +236,8 @@ def _run(
             kwargs["scaling_rule"] = lib.scaling_rules.LinearScale()
         model = lib.AdaptiveDataParallel(model, opt, **kwargs)
         loader = lib.AdaptiveDataLoader(train, batch_size=b0, shuffle=True)
+        if variant != "adaptdl":  # the repetition's data order, as the sweep's sampler
+            loader.sampler.seed = seed  # (AdaptDL's sampler has no seed: epoch-seeded only)
         loader.autoscale_batch_size(
             cfg["max_batch"], local_bsz_bounds=cfg["bounds"], gradient_accumulation=True
         )

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import StepLR
 
+import adaptrain.env
 import adaptrain.torch as adl
 from adaptrain.workloads import DigitsNet, digits_datasets
 
@@ -45,16 +46,25 @@ def test(model, device, test_loader):
     model.eval()
     test_loss = 0
     correct = 0
+    seen = 0
     with torch.no_grad():
         for data, target in test_loader:
             data, target = data.to(device), target.to(device)
             output = model(data)
             test_loss += F.cross_entropy(output, target, reduction="sum").item()
             correct += output.argmax(dim=1).eq(target).sum().item()
-    test_loss /= len(test_loader.dataset)
+            seen += len(target)
+    # With several replicas each evaluates (and prints) only its share of the test set;
+    # step 5 sums the replicas' figures with an Accumulator.
+    test_loss /= max(seen, 1)
+    share = (
+        ""
+        if seen == len(test_loader.dataset)
+        else f" (replica {adaptrain.env.replica_rank()}'s share)"
+    )
     print(
-        f"\nTest set: Average loss: {test_loss:.4f}, Accuracy: {correct}/"
-        f"{len(test_loader.dataset)} ({100.0 * correct / len(test_loader.dataset):.0f}%)\n"
+        f"\nTest set{share}: Average loss: {test_loss:.4f}, Accuracy: {correct}/"
+        f"{seen} ({100.0 * correct / max(seen, 1):.0f}%)\n"
     )
 
 
