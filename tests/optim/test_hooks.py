@@ -152,32 +152,43 @@ def _shuffled_ddp():
     return model, DDP(model, bucket_cap_mb=0.002)
 
 
-def _rebuild_residual_worker(rank, ws):
-    model, ddp = _shuffled_ddp()
-    ps = list(model.parameters())
-    idx = {id(p): i for i, p in enumerate(ps)}
-    state = PowerSGDHookState(rank=1, params=ps)
-    outs = [torch.zeros_like(p) for p in ps]
-    grads = [torch.zeros_like(p) for p in ps]  # local gradients, summed over the iterations
-    layouts: list[list[list[int]]] = []
+class _Recorder:
+    """Wraps a comm hook: sums each parameter's local gradients and hook outputs over the
+    iterations, and records each iteration's bucket layouts (parameter indices)."""
 
-    def hook(st, bucket):
+    def __init__(self, hook, params):
+        self.hook = hook
+        self.idx = {id(p): i for i, p in enumerate(params)}
+        self.outs = [torch.zeros_like(p) for p in params]
+        self.grads = [torch.zeros_like(p) for p in params]
+        self.layouts: list[list[list[int]]] = []
+
+    def record(self, st, bucket):
+        idx = self.idx
         for p, g in zip(bucket.parameters(), bucket.gradients()):
-            grads[idx[id(p)]] += g
-        fut = powersgd_hook(st, bucket)
+            self.grads[idx[id(p)]] += g
+        fut = self.hook(st, bucket)
         buf, off = fut.value(), 0
-        layouts[-1].append(sorted(idx[id(p)] for p in bucket.parameters()))
+        if bucket.index() == 0:
+            self.layouts.append([])
+        self.layouts[-1].append(sorted(idx[id(p)] for p in bucket.parameters()))
         for p in bucket.parameters():
-            outs[idx[id(p)]] += buf[off : off + p.numel()].view_as(p)
+            self.outs[idx[id(p)]] += buf[off : off + p.numel()].view_as(p)
             off += p.numel()
         return fut
 
-    ddp.register_comm_hook(state, hook)
+
+def _rebuild_residual_worker(rank, ws):
+    model, ddp = _shuffled_ddp()
+    ps = list(model.parameters())
+    state = PowerSGDHookState(rank=1, params=ps)
+    rec = _Recorder(powersgd_hook, ps)
+    ddp.register_comm_hook(state, rec.record)
     x = torch.randn(1, 12, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
     for it in range(3):  # a rank-2 mean gradient, then zero gradients
-        layouts.append([])
         ddp.zero_grad()
         (ddp(x).pow(2).sum() * (1.0 if it == 0 else 0.0)).backward()
+    outs, grads, layouts = rec.outs, rec.grads, rec.layouts
     model2, ddp2 = _shuffled_ddp()  # without params: slots of the current buckets only
     by_bucket = PowerSGDHookState(rank=1)
     ddp2.register_comm_hook(by_bucket, powersgd_hook)
@@ -205,6 +216,39 @@ def test_powersgd_hook_keeps_error_memory_across_bucket_rebuild():
         sizes = [len(b) for b in layouts[-1]]
         slots = [f"b{i}.{j}" for i, n in enumerate(sizes) for j in range(n)]
         assert sorted(res[r][4]["memories"]) == sorted(res[r][4]["qs"]) == slots
+
+
+def _flat_rebuild_worker(rank, ws, kind):
+    model, ddp = _shuffled_ddp()
+    ps = list(model.parameters())
+    if kind == "sign_ef":
+        state, hook = SignHookState(error_feedback=True, params=ps), sign_hook
+    else:
+        state, hook = SparseHookState(ratio=0.05, method=kind, params=ps), topk_hook
+    rec = _Recorder(hook, ps)
+    ddp.register_comm_hook(state, rec.record)
+    xs = torch.randn(3, 2, 12, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    for x in xs:
+        ddp.zero_grad()
+        ddp(x).pow(2).sum().backward()
+    memories = [state.memories[str(i)].clone() for i in range(len(ps))]
+    return _np((rec.outs, rec.grads, memories, rec.layouts, sorted(state.memories, key=int)))
+
+
+@pytest.mark.parametrize("kind", ["topk", "randomk", "sign_ef"])
+def test_flat_hooks_keep_error_memory_across_bucket_rebuild(kind):
+    """Error feedback loses nothing: the outputs summed over the iterations plus the replicas'
+    mean error memory equal the mean gradients summed, although DDP regroups the parameters
+    into other buckets after the first iteration (per-bucket memory lost the first one's)."""
+    res = spawn(_flat_rebuild_worker, 2, args=(kind,), timeout=120)
+    assert len(res[0][3][0]) == 1 and len(res[0][3][1]) > 1  # the buckets were rebuilt
+    for i in range(6):
+        mean_g = (torch.from_numpy(res[0][1][i]) + torch.from_numpy(res[1][1][i])) / 2
+        mean_e = (torch.from_numpy(res[0][2][i]) + torch.from_numpy(res[1][2][i])) / 2
+        for r in range(2):
+            total = torch.from_numpy(res[r][0][i]) + mean_e
+            assert_close(total, mean_g, rtol=1e-9, atol=1e-12, msg=f"{kind} parameter {i}")
+    assert res[0][4] == list("012345")  # one memory per parameter, none orphaned
 
 
 def _rebuild_replay_worker(rank, ws, reuse):

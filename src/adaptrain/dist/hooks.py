@@ -31,9 +31,7 @@ from adaptrain.core.compress import (
     SparseState,
     powersgd_init,
     powersgd_update,
-    sign_init,
     sign_update,
-    sparse_init,
     sparse_update,
 )
 from adaptrain.core.compress.powersgd import _factor_shape  # the compressor's own rule
@@ -128,40 +126,107 @@ class _ParamOrder:
         return [grads[i] for i in order], order, [ids[i] for i in order]
 
 
-class _BucketStates(_ParamOrder):
-    """Per-bucket compressor states, keyed so that DDP's bucket rebuild does not scramble them.
+class _SlotState(_ParamOrder):
+    """Compressor state kept per parameter ("slot"), so DDP's bucket rebuild loses nothing.
 
-    With ``params`` (the model's parameters, in a fixed order), each bucket's gradients are put
-    in that canonical order and the state is keyed by the bucket's parameter indices: DDP
-    reorders buckets after the first iteration, and a reloaded state then still matches.
-    Without ``params`` the key is the bucket index; a state whose shapes no longer match the
-    bucket is re-initialised (logged at DEBUG).
+    DDP regroups its buckets after the first iteration (in gradient-ready order). State kept
+    per bucket would be orphaned under the old grouping and the new buckets would start from
+    zero error memory, so what the first iteration's compression dropped would never be fed
+    back. Here every entry belongs to one parameter: with ``params`` the key is its index
+    (``"3"``); without, the bucket slot (``"b0.3"``: bucket 0, position 3), a bucket whose
+    layout (its gradients' shapes) changed starts afresh, and the slots no bucket used in an
+    iteration are dropped. ``step`` counts the iterations; it advances after the last bucket.
     """
+
+    _slot_dicts: tuple[str, ...] = ("memories",)
 
     def __init__(self, params: Any = None) -> None:
         super().__init__(params)
-        self.states: dict[str, Any] = {}
+        self.memories: dict[str, torch.Tensor] = {}
+        self.step = 0
+        self._used: set[str] = set()  # within an iteration: the slots buckets used
 
-    def _layout(self, bucket: Any) -> tuple[list[torch.Tensor], list[int], str, int]:
-        grads, order, ids = self._canonical(bucket)
+    def _keys(self, bucket: Any, ids: list[int] | None, n: int) -> list[str]:
         if ids is None:
-            return grads, order, f"b{bucket.index()}", bucket.index()
-        return grads, order, ",".join(map(str, ids)), ids[0]
+            return [f"b{bucket.index()}.{j}" for j in range(n)]
+        return [str(i) for i in ids]
 
-    def _get(self, key: str, shapes: list[tuple[int, ...]], memory_shapes) -> Any:
-        st = self.states.get(key)
-        if st is not None and memory_shapes(st) != shapes:
-            logger.debug("bucket %s changed layout: compressor state re-initialised", key)
-            st = None
-        return st
+    def _check_layout(self, keys: list[str], grads: list[torch.Tensor]) -> None:
+        """Without ``params``: forget a bucket's slots unless its layout is unchanged."""
+        if self.param_index is not None:
+            return
+        bucket = keys[0].rsplit(".", 1)[0]
+        old = [self.memories.get(k) for k in keys]
+        if f"{bucket}.{len(keys)}" in self.memories or any(
+            m is None or m.shape != g.shape for m, g in zip(old, grads)
+        ):
+            if any(m is not None for m in old):
+                logger.debug("bucket %s changed layout: compressor state re-initialised", bucket)
+            for k in keys:
+                for name in self._slot_dicts:
+                    getattr(self, name).pop(k, None)
 
-    _state_type: Any = tuple  # the compressor's NamedTuple state, set by each subclass
+    def _end_iteration(self, advance: bool = True) -> None:
+        if advance:
+            self.step += 1
+        if self.param_index is None:  # bucket slots no bucket used any more
+            for key in [k for k in self.memories if k not in self._used]:
+                for name in self._slot_dicts:
+                    getattr(self, name).pop(key, None)
+        self._used = set()
+
+
+class _FlatMemoryState(_SlotState):
+    """Per-parameter error memory of a hook that compresses a bucket as one flat vector.
+
+    Top-k, random-k and sign compression take the bucket's gradients concatenated; their error
+    memory is elementwise, so each parameter keeps its piece and the bucket's flat memory is
+    assembled from the pieces and split back after the update.
+    """
+
+    def _flat(
+        self, bucket: Any
+    ) -> tuple[list[torch.Tensor], list[int], list[str], int, torch.Tensor, torch.Tensor]:
+        """Gradients (canonical order), their order in the bucket, keys, the bucket's first
+        parameter index (bucket index without ``params``), flat gradients and flat memory."""
+        grads, order, ids = self._canonical(bucket)
+        keys = self._keys(bucket, ids, len(grads))
+        self._check_layout(keys, grads)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        pieces = []
+        for key, g in zip(keys, grads):
+            m = self.memories.get(key)
+            if m is None or m.shape != g.shape:
+                m = torch.zeros_like(g)
+            pieces.append(m.reshape(-1).to(device=flat.device, dtype=flat.dtype))
+        first = bucket.index() if ids is None else ids[0]
+        return grads, order, keys, first, flat, torch.cat(pieces)
+
+    def _keep(self, bucket: Any, keys: list[str], grads: list[torch.Tensor], memory) -> None:
+        for key, piece in zip(keys, _split(memory, grads)):
+            self.memories[key] = piece
+        self._used.update(keys)
+        if bucket.is_last():
+            self._end_iteration()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"states": {k: tuple(v) for k, v in self.states.items()}}
+        return {"step": self.step, "memories": dict(self.memories)}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.states = {str(k): self._state_type(*v) for k, v in sd["states"].items()}
+        """Load a :meth:`state_dict`. The per-bucket format of earlier versions
+        (``{"states": …}``) holds flat memories that cannot be split without the parameters'
+        shapes: it loads with empty error memory (a warning says so)."""
+        if "states" in sd:
+            logger.warning(
+                "%s: per-bucket state of an earlier version; the error memory restarts at zero",
+                type(self).__name__,
+            )
+            steps = [int(v[1]) for v in sd["states"].values() if len(v) > 1]
+            self.step, self.memories = max(steps, default=0), {}
+        else:
+            self.step = int(sd["step"])
+            self.memories = {str(k): v for k, v in sd["memories"].items()}
+        self._used = set()
 
 
 def _write_back_ordered(
@@ -181,7 +246,7 @@ def _split(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class PowerSGDHookState(_ParamOrder):
+class PowerSGDHookState(_SlotState):
     """Configuration and per-parameter PowerSGD state for :func:`powersgd_hook`.
 
     The state is kept per parameter, not per bucket: ``memories[key]`` (the error memory,
@@ -223,11 +288,10 @@ class PowerSGDHookState(_ParamOrder):
         self.error_feedback = error_feedback
         self.seed = int(seed)
         self.min_compression_rate = float(min_compression_rate)
-        self.memories: dict[str, torch.Tensor] = {}
         self.qs: dict[str, torch.Tensor] = {}
-        self.step = 0
         self._skipped = False  # within an iteration: a bucket's update was skipped (non-finite)
-        self._used: set[str] = set()  # within an iteration: the slots buckets used
+
+    _slot_dicts = ("memories", "qs")
 
     def _slots(
         self, bucket: Any
@@ -235,25 +299,15 @@ class PowerSGDHookState(_ParamOrder):
         """Gradients (canonical order), their order in the bucket, keys, query indices and the
         offset added to ``seed``."""
         grads, order, ids = self._canonical(bucket)
+        keys = self._keys(bucket, ids, len(grads))
         if ids is None:  # the former per-bucket seeds and query indices
-            pos = list(range(len(grads)))
-            return grads, order, [f"b{bucket.index()}.{j}" for j in pos], pos, bucket.index()
-        return grads, order, [str(i) for i in ids], ids, 0
+            return grads, order, keys, list(range(len(grads))), bucket.index()
+        return grads, order, keys, ids, 0
 
     def _assemble(
         self, grads: list[torch.Tensor], keys: list[str], qidx: list[int], seed: int
     ) -> PowerSGDState:
-        if self.param_index is None:  # bucket slots: the bucket's layout must match as a whole
-            bucket = keys[0].rsplit(".", 1)[0]
-            old = [self.memories.get(k) for k in keys]
-            if f"{bucket}.{len(keys)}" in self.memories or any(
-                m is None or m.shape != g.shape for m, g in zip(old, grads)
-            ):
-                if any(m is not None for m in old):
-                    logger.debug("bucket %s changed layout: PowerSGD state re-initialised", bucket)
-                for k in keys:
-                    self.memories.pop(k, None)
-                    self.qs.pop(k, None)
+        self._check_layout(keys, grads)
         fresh = None
         mems, qs = [], []
         for j, (g, key) in enumerate(zip(grads, keys)):
@@ -291,15 +345,9 @@ class PowerSGDHookState(_ParamOrder):
         if new.step == old.step:  # non-finite values: the compressor kept the old state
             self._skipped = True
 
-    def _end_iteration(self) -> None:
-        if not self._skipped:
-            self.step += 1
-        if self.param_index is None:  # bucket slots no bucket used any more
-            for key in [k for k in self.memories if k not in self._used]:
-                del self.memories[key]
-                self.qs.pop(key, None)
+    def _end_iteration(self, advance: bool = True) -> None:
+        super()._end_iteration(advance and not self._skipped)
         self._skipped = False
-        self._used = set()
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "memories": dict(self.memories), "qs": dict(self.qs)}
@@ -361,13 +409,12 @@ def powersgd_hook(
     return _done(_write_back_ordered(bucket, res.grads, order))
 
 
-class SparseHookState(_BucketStates):
-    """Configuration and per-bucket :class:`SparseState` for :func:`topk_hook`.
+class SparseHookState(_FlatMemoryState):
+    """Configuration and per-parameter error memory for :func:`topk_hook`.
 
-    ``ratio`` is the fraction of each bucket's coordinates sent (``k = ceil(ratio · numel)``).
+    ``ratio`` is the fraction of each bucket's coordinates sent (``k = ceil(ratio · numel)``);
+    random-k draws them from ``seed`` + the bucket's first parameter index and ``step``.
     """
-
-    _state_type = SparseState
 
     def __init__(
         self,
@@ -390,22 +437,18 @@ def topk_hook(
     state: SparseHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: sparsified (top-k by default) mean of the bucket, with error memory."""
-    grads, order, key, first = state._layout(bucket)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    st = state._get(key, [tuple(flat.shape)], lambda s: [tuple(s.memory.shape)])
-    if st is None:
-        st = sparse_init(flat.shape, state.seed + first, flat.dtype, flat.device)
+    grads, order, keys, first, flat, memory = state._flat(bucket)
+    st = SparseState(memory, state.step, state.seed + first)
     k = max(1, math.ceil(state.ratio * flat.numel()))
-    res, state.states[key] = sparse_update(
+    res, new = sparse_update(
         flat, st, TorchCommunicator(state.process_group), k=k, method=state.method
     )
+    state._keep(bucket, keys, grads, new.memory)
     return _done(_write_back_ordered(bucket, _split(res.update, grads), order))
 
 
-class SignHookState(_BucketStates):
-    """Configuration and per-bucket :class:`SignState` for :func:`sign_hook`."""
-
-    _state_type = SignState
+class SignHookState(_FlatMemoryState):
+    """Configuration and per-parameter error memory for :func:`sign_hook`."""
 
     def __init__(
         self,
@@ -429,16 +472,13 @@ class SignHookState(_BucketStates):
 
 def sign_hook(state: SignHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: sign compression (EF-SignSGD scaled signs, or majority vote)."""
-    grads, order, key, _ = state._layout(bucket)
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    st = state._get(key, [tuple(flat.shape)], lambda s: [tuple(s.memory.shape)])
-    if st is None:
-        st = sign_init(flat.shape, flat.dtype, flat.device)
-    res, state.states[key] = sign_update(
+    grads, order, keys, _, flat, memory = state._flat(bucket)
+    res, new = sign_update(
         flat,
-        st,
+        SignState(memory),
         TorchCommunicator(state.process_group),
         error_feedback=state.error_feedback,
         majority=state.majority_vote,
     )
+    state._keep(bucket, keys, grads, new.memory)
     return _done(_write_back_ordered(bucket, _split(res.update, grads), order))

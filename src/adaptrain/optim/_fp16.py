@@ -9,6 +9,11 @@ Per step, with loss scale ``S``::
              if n is inf/NaN: skip, S ← S / scale_factor   (RuntimeError once S ≤ min_scale)
              else: inner optimizer steps the fp32 master copy, copied back into the fp16 model;
                    after scale_window consecutive good steps S ← min(S · scale_factor, max_scale)
+
+As in mlbench, the master copy is one flat fp32 tensor and the inner optimizer steps it whole:
+a parameter that got no gradient takes part with a zero gradient, so weight decay and momentum
+still move it (the Centralized optimizers skip such parameters; per-parameter master weights
+would be needed here).
 """
 
 from __future__ import annotations
