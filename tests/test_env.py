@@ -40,10 +40,21 @@ def test_torchrun_rendezvous_wins_under_torchrun(monkeypatch, caplog):
         assert env.master_port() == 1111
     assert "ADAPTRAIN_MASTER_PORT=2222 ignored" in caplog.text
     assert env.master_addr() == "10.0.0.2"  # torchrun gave none: ours stands
+    for ours, theirs, fn in (
+        ("ADAPTRAIN_REPLICA_RANK", "RANK", env.replica_rank),
+        ("ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE", env.num_replicas),
+        ("ADAPTRAIN_LOCAL_RANK", "LOCAL_RANK", env.local_rank),
+    ):
+        monkeypatch.setenv(theirs, "1")
+        monkeypatch.setenv(ours, "3")
+        assert fn() == 1, ours
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert fn() == 3, ours  # outside torchrun ours wins
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
 
 
 @pytest.mark.timeout(120)
-def test_a_stray_adaptrain_port_does_not_hang_a_torchrun_job(tmp_path):
+def test_stray_adaptrain_rendezvous_variables_do_not_hang_a_torchrun_job(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent(
@@ -59,7 +70,13 @@ def test_a_stray_adaptrain_port_does_not_hang_a_torchrun_job(tmp_path):
         )
     )
     port = free_port()
-    environ = dict(os.environ, ADAPTRAIN_MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    environ = dict(
+        os.environ,
+        ADAPTRAIN_MASTER_PORT=str(free_port()),
+        ADAPTRAIN_REPLICA_RANK="0",
+        ADAPTRAIN_NUM_REPLICAS="3",
+        OMP_NUM_THREADS="1",
+    )
     res = subprocess.run(
         [
             sys.executable,

@@ -92,18 +92,21 @@ def num_restarts() -> int:
 
 
 def num_replicas() -> int:
-    """Total number of replicas (``ADAPTRAIN_NUM_REPLICAS``, else ``WORLD_SIZE``), default 1."""
-    return _get_int(1, "ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE")
+    """Total number of replicas (``ADAPTRAIN_NUM_REPLICAS``, else ``WORLD_SIZE``; under
+    torchrun its ``WORLD_SIZE``), default 1."""
+    return _get_int(1, *_rendezvous("ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE"))
 
 
 def replica_rank() -> int:
-    """Rank of this replica in 0..K-1 (``ADAPTRAIN_REPLICA_RANK``, else ``RANK``), default 0."""
-    return _get_int(0, "ADAPTRAIN_REPLICA_RANK", "RANK")
+    """Rank of this replica in 0..K-1 (``ADAPTRAIN_REPLICA_RANK``, else ``RANK``; under torchrun
+    its ``RANK``), default 0."""
+    return _get_int(0, *_rendezvous("ADAPTRAIN_REPLICA_RANK", "RANK"))
 
 
 def local_rank() -> int:
-    """Rank of this replica on its node (``ADAPTRAIN_LOCAL_RANK``, else ``LOCAL_RANK``), default 0."""
-    return _get_int(0, "ADAPTRAIN_LOCAL_RANK", "LOCAL_RANK")
+    """Rank of this replica on its node (``ADAPTRAIN_LOCAL_RANK``, else ``LOCAL_RANK``; under
+    torchrun its ``LOCAL_RANK``), default 0."""
+    return _get_int(0, *_rendezvous("ADAPTRAIN_LOCAL_RANK", "LOCAL_RANK"))
 
 
 def num_nodes() -> int:
@@ -123,8 +126,9 @@ def num_nodes() -> int:
 
 
 def _rendezvous(ours: str, torchrun: str) -> tuple[str, ...]:
-    """Lookup order of a rendezvous variable: torchrun's first when torchrun launched this
-    process (its workers join the agent's store there; another port would hang)."""
+    """Lookup order of a rendezvous variable (address, port, rank, world size): torchrun's
+    first when torchrun launched this process (its workers join the agent's store with those;
+    a stray ``ADAPTRAIN_*`` value would hang the rendezvous)."""
     if launched_by_torchrun() and _get(torchrun) is not None:
         mine = _get(ours)
         if mine is not None and mine != _get(torchrun):

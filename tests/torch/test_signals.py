@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from adaptrain.dist import signals
 from adaptrain.dist.spawn import spawn
 
@@ -134,3 +136,106 @@ def test_second_signal_forces_exit(tmp_path: Path) -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "still alive" in p.stdout and "not reached" not in p.stdout
     assert p.returncode == -signal.SIGTERM
+
+
+@pytest.mark.parametrize("case", ["sigint_ignored", "sigterm_replaced_then_reinstall"])
+def test_second_sigint_forces_exit_whatever_was_installed_before(case: str) -> None:
+    # An inherited SIG_IGN (a job started with `cmd &`), or another library's SIGTERM handler
+    # followed by install() again (every loop over a loader calls it): the second Ctrl-C must
+    # still end the process by SIGINT, not be ignored or recurse into our own handler.
+    code = textwrap.dedent(
+        f"""
+        import os, signal, time
+        from adaptrain.dist import signals
+        case = {case!r}
+        if case == "sigint_ignored":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signals.install()
+        if case == "sigterm_replaced_then_reinstall":
+            library = lambda s, f: None
+            signal.signal(signal.SIGTERM, library)
+            signals.install()
+            assert signal.getsignal(signal.SIGTERM) is signals._handler
+            assert signals._previous[signal.SIGTERM] is library
+            assert signals._previous[signal.SIGINT] is not signals._handler
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)
+        assert signals.exit_flag() == signal.SIGINT
+        print("still alive", flush=True)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)
+        print("not reached", flush=True)
+        """
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "still alive" in p.stdout and "not reached" not in p.stdout, p.stderr[-2000:]
+    # SIG_DFL kills by SIGINT; Python's default handler raises KeyboardInterrupt (exit 1)
+    assert p.returncode == -signal.SIGINT or (
+        p.returncode == 1 and "KeyboardInterrupt" in p.stderr
+    ), p.stderr[-2000:]
+    assert "RecursionError" not in p.stderr
+
+
+_WORKERS_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from torch.utils.data import TensorDataset
+    import adaptrain.torch as adl
+
+    class Slow(TensorDataset):
+        def __getitem__(self, i):
+            time.sleep(0.005)
+            return super().__getitem__(i)
+
+    if __name__ == "__main__":
+        adl.init_process_group("gloo")
+        ds = Slow(torch.randn(4000, 4), torch.randn(4000, 1))
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        model = adl.AdaptiveDataParallel(model, opt)
+        loader = adl.AdaptiveDataLoader(
+            ds, batch_size=8, num_workers=2, multiprocessing_context=sys.argv[1]
+        )
+        for epoch in adl.remaining_epochs_until(1):
+            for step, (x, y) in enumerate(loader):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                if step == 3:
+                    print("training", flush=True)
+        print("finished", flush=True)
+    """
+)
+
+
+def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path) -> None:
+    # Ctrl-C reaches every process of the terminal's foreground group, DataLoader workers
+    # included. Spawned workers (macOS's default; forkserver from Python 3.14) must not die of
+    # it before the main process has agreed on a stop and checkpointed.
+    script = tmp_path / "job.py"
+    script.write_text(_WORKERS_SCRIPT)
+    p = subprocess.Popen(
+        [sys.executable, str(script), "spawn"],
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    out = []
+    try:
+        for line in p.stdout:
+            out.append(line)
+            if "training" in line:
+                os.killpg(p.pid, signal.SIGINT)
+                break
+        out.append(p.stdout.read())
+        p.wait(timeout=90)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    text = "".join(out)
+    assert p.returncode == 130, text[-3000:]
+    assert "finished" not in text
+    assert (tmp_path / "checkpoint-000000").is_dir()

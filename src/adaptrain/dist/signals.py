@@ -113,8 +113,7 @@ def _handler(signum: int, frame: Any) -> None:
     if _signum:
         # Second signal: give up on the graceful path.
         logger.warning("got %s again, forcing exit", signal.Signals(signum).name)
-        previous = _previous.get(signum)  # None: a handler not installed from Python
-        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        signal.signal(signum, _forcing(_previous.get(signum)))
         signal.raise_signal(signum)
         return
     _signum = signum
@@ -124,20 +123,34 @@ def _handler(signum: int, frame: Any) -> None:
     )
 
 
+def _forcing(previous: Any) -> Any:
+    """The handler a second signal re-raises into: the one :func:`install` replaced, unless
+    that would not end the process (ignored, ours, or not installed from Python)."""
+    if previous is None or previous is signal.SIG_IGN or previous is _handler:
+        return signal.SIG_DFL
+    return previous
+
+
 def install() -> bool:
-    """Install the SIGINT/SIGTERM handlers (idempotent); False off the main thread."""
+    """Install the SIGINT/SIGTERM handlers (idempotent); False off the main thread.
+
+    Each signal is checked on its own: another library that replaced one of them since (a
+    SIGTERM handler of a job runner, say) gets it taken back, and the handler it had set is
+    what a second signal falls back to.
+    """
     if installed():
         return True
     if threading.current_thread() is not threading.main_thread():
         return False
     for sig in (signal.SIGINT, signal.SIGTERM):
-        _previous[sig] = signal.signal(sig, _handler)
+        if signal.getsignal(sig) is not _handler:
+            _previous[sig] = signal.signal(sig, _handler)
     return True
 
 
 def installed() -> bool:
-    """True when this module's handlers are the current SIGINT/SIGTERM handlers."""
-    return signal.getsignal(signal.SIGTERM) is _handler
+    """True when this module's handlers are the current SIGINT and SIGTERM handlers."""
+    return all(signal.getsignal(s) is _handler for s in (signal.SIGINT, signal.SIGTERM))
 
 
 def exit_flag() -> int:
@@ -309,9 +322,10 @@ def graceful_exit(signum: int, mode: str | None = None) -> None:
 
 def uninstall() -> None:
     """Put back the SIGINT/SIGTERM handlers that :func:`install` replaced (main thread only)."""
-    if installed() and threading.current_thread() is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
         for sig, previous in _previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+            if signal.getsignal(sig) is _handler:  # not one another library set since
+                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         _previous.clear()
 
 

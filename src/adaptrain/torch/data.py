@@ -43,6 +43,7 @@ import logging
 import math
 import pickle
 import random
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -667,6 +668,11 @@ class _WorkerInit:
             self.__wrapped__ = worker_init_fn
 
     def __call__(self, worker_id: int) -> Any:
+        # A Ctrl-C reaches the whole foreground process group: the main process checkpoints
+        # and shuts the workers down, so they must not die of it first (workers started with
+        # spawn/forkserver have Python's default handler; forked ones inherit ours). SIGTERM
+        # keeps its default: multiprocessing ends daemonic workers with it at exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         seed = torch.initial_seed() + self.rank * (self.num_workers or 1)
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
