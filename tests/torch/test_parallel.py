@@ -623,3 +623,41 @@ def _window(rank, ws):
 
 def test_window_fraction_reaches_the_statistics():
     assert spawn(_window, 1, timeout=TIMEOUT) == [(None, 0.25)]  # None: AdaptDL's fixed memory
+
+
+def _eval_with_fewer_samples_than_replicas(rank, ws):
+    from torch.utils.data import TensorDataset
+
+    import adaptrain.torch as adl
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = adl.AdaptiveDataParallel(net, opt)
+    g = torch.Generator().manual_seed(0)
+    train = adl.AdaptiveDataLoader(
+        TensorDataset(torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)),
+        batch_size=4,
+    )
+    tiny = adl.AdaptiveDataLoader(TensorDataset(torch.randn(1, 4, generator=g)), batch_size=4)
+    acc = adl.Accumulator()
+    seen = []
+    for _ in adl.remaining_epochs_until(2):
+        model.train()
+        for x, y in train:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            for (x,) in tiny:  # one replica gets the sample, the other none
+                acc["n"] += len(model(x))
+        with acc.synchronized():
+            seen.append(acc["n"])
+    return seen
+
+
+def test_evaluation_with_fewer_samples_than_replicas_does_not_hang():
+    # DDP's first forward after a training step broadcasts the buffers (BatchNorm): a replica
+    # left without an evaluation sample never calls it. Under no_grad ADP runs the module alone.
+    assert spawn(_eval_with_fewer_samples_than_replicas, 2, timeout=60) == [[1, 2], [1, 2]]

@@ -16,7 +16,13 @@ Drop-in for ``adaptdl.torch.AdaptiveDataParallel``. On top of DDP it
   ``zero_grad(); loss.backward(); step()`` on every micro-batch stays correct. The synchronising
   hook divides by ``replicas × accumulation steps`` so the update uses the mean gradient;
 * saves and restores model, optimizer, LR scheduler, GradScaler and noise-scale state as the
-  checkpoint State ``name``.
+  checkpoint State ``name``;
+* under ``torch.no_grad()``/``inference_mode()`` runs the wrapped module directly, with no
+  collective: an evaluation pass may leave a replica without a sample (the loader never pads),
+  and DDP's first forward after a training step broadcasts the buffers, which would hang the
+  other replicas. Each replica then evaluates with its own buffers (BatchNorm statistics
+  differ from rank 0's by the replica's last training batch); the next training forward
+  broadcasts them again.
 
 With a ``torch.amp.GradScaler`` pass it as ``mp_scaler``: the statistics are divided by the
 loss scale². Under gradient accumulation call ``scaler.step``/``scaler.update`` only when
@@ -124,7 +130,14 @@ class AdaptiveDataParallel(DistributedDataParallel):
 
     # ----- forward / accumulation --------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.training and torch.is_grad_enabled()):
+        if not torch.is_grad_enabled():
+            # No backward can follow: run the module itself, with no collective. DDP's first
+            # forward after a training step broadcasts the buffers (BatchNorm statistics), and
+            # an evaluation pass can leave a replica without a sample (the loader never pads),
+            # whose missing forward would hang the others. The next training forward
+            # broadcasts them as usual.
+            return self.module(*args, **kwargs)
+        if not self.training:
             return super().forward(*args, **kwargs)
         self._restore_grads()
         if self.scaling_rule._saved_lr is not None:
