@@ -149,10 +149,8 @@ def test_demo_end_to_end(tmp_path):
     assert len(list((out / "checkpoint").glob("checkpoint-*"))) == 1  # nothing saved again
 
 
-@pytest.mark.timeout(300)
-def test_demo_ctrl_c_checkpoints_and_resumes(tmp_path):
-    out = tmp_path / "demo"
-    log = tmp_path / "first.log"
+def _start_and_signal(out: Path, log: Path, sig: int) -> int:
+    """Start the demo, send ``sig`` to the launcher 2 s into training, return its exit code."""
     with open(log, "w") as f:
         proc = subprocess.Popen(
             _demo_cmd(out, 0.3),
@@ -170,10 +168,44 @@ def test_demo_ctrl_c_checkpoints_and_resumes(tmp_path):
             assert time.monotonic() < deadline, "no training step logged in 150 s"
             time.sleep(0.5)
         time.sleep(2.0)
-        proc.send_signal(signal.SIGINT)  # Ctrl-C
-        rc = proc.wait(timeout=90)
+        proc.send_signal(sig)
+        return proc.wait(timeout=90)
     finally:
         _stop(proc)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find leftover workers")
+def test_demo_sigterm_to_the_launcher_stops_torchrun_too(tmp_path):
+    # torchrun runs in a session of its own: a SIGTERM to the launcher (kill, timeout, a CI
+    # runner) used to leave it and its workers training unseen.
+    out = tmp_path / "demo"
+    log = tmp_path / "first.log"
+    rc = _start_and_signal(out, log, signal.SIGTERM)
+    assert rc == 128 + signal.SIGTERM, log.read_text()[-3000:]
+    assert len(sorted((out / "checkpoint").glob("checkpoint-*"))) == 1
+    assert not (out / "summary.json").exists()
+    assert _processes_mentioning(str(out)) == []
+
+
+@pytest.mark.timeout(300)
+def test_demo_ctrl_c_checkpoints_and_resumes(tmp_path):
+    out = tmp_path / "demo"
+    log = tmp_path / "first.log"
+    rc = _start_and_signal(out, log, signal.SIGINT)
     first = log.read_text()
     assert rc == 130, first[-3000:]
     assert "run the same command again to resume" in first
@@ -190,3 +222,36 @@ def test_demo_ctrl_c_checkpoints_and_resumes(tmp_path):
     steps = [row[1] for row in summary["history"]]
     assert elapsed == sorted(elapsed) and steps == sorted(steps)  # continued, not restarted
     assert 18 <= summary["elapsed_s"] < 18 + 30  # one budget over both runs
+
+
+def test_a_signal_after_the_job_finished_is_not_an_interruption(tmp_path, monkeypatch, capsys):
+    # The launcher's logic alone, around a stand-in for torchrun that finishes (writes the
+    # summary) and then lingers: a Ctrl-C in that window must not read as an interruption.
+    import argparse
+    import threading
+
+    from adaptrain.cli import demo
+
+    out = tmp_path / "demo"
+    ready = tmp_path / "ready"
+    worker = (
+        "import pathlib, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+        f"pathlib.Path({str(out / 'summary.json')!r}).write_text('{{}}')\n"
+        f"pathlib.Path({str(ready)!r}).write_text('')\n"
+        "time.sleep(30)\n"
+    )
+    monkeypatch.setattr(demo, "_worker_command", lambda args: [sys.executable, "-c", worker])
+
+    def interrupt():
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    args = parser.parse_args(["--out", str(out), "--minutes", "0.1"])
+    threading.Thread(target=interrupt, daemon=True).start()
+    assert demo.run(args) == 0
+    assert "the job had finished" in capsys.readouterr().err

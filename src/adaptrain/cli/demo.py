@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from adaptrain.dist.spawn import free_port
@@ -140,22 +141,46 @@ def run(args: argparse.Namespace) -> int:
     from adaptrain.dist.checkpoint import latest_checkpoint
 
     before = latest_checkpoint(str(ckpt))
+    started = time.time()
+    received: list[int] = []  # the signals that stopped the wait, first one first
+
+    def _stop(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    # torchrun runs in a session of its own, so a SIGTERM or SIGHUP to the launcher (kill,
+    # timeout, a CI runner, a closed terminal) would leave it training unseen: handle them as
+    # a Ctrl-C is handled.
+    previous = {
+        sig: signal.signal(sig, _stop)
+        for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+        if sig is not None
+    }
     proc = subprocess.Popen(_worker_command(args), env=env, start_new_session=True)
     interrupted = False
-    while True:
-        try:
-            code = proc.wait()
-            break
-        except KeyboardInterrupt:
-            if interrupted:  # a second Ctrl-C: stop waiting for the checkpoint
-                _kill_tree(proc.pid)
-                continue
-            interrupted = True
-            print(
-                "\nadaptrain demo: interrupted, checkpointing... (Ctrl-C again to kill)",
-                file=sys.stderr,
-            )
-            proc.send_signal(signal.SIGTERM)
+    try:
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except KeyboardInterrupt:
+                if interrupted:  # a second signal: stop waiting for the checkpoint
+                    _kill_tree(proc.pid)
+                    continue
+                interrupted = True
+                print(
+                    "\nadaptrain demo: interrupted, checkpointing... (Ctrl-C again to kill)",
+                    file=sys.stderr,
+                )
+                proc.send_signal(signal.SIGTERM)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    summary = out / "summary.json"
+    if interrupted and summary.exists() and summary.stat().st_mtime >= started:
+        # The job had finished (final validation, summary) when the signal came.
+        print(f"adaptrain demo: the job had finished; outputs in {out}", file=sys.stderr)
+        return 0
     if interrupted:
         after = latest_checkpoint(str(ckpt))
         if after is not None and after != before:
@@ -165,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             msg = "stopped before the first checkpoint; a rerun starts afresh"
         print(f"adaptrain demo: {msg}", file=sys.stderr)
-        return 130
+        return 128 + (received[0] if received else signal.SIGINT)
     return code
 
 
