@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 
 import pytest
@@ -173,6 +174,36 @@ def test_every_finished_loop_is_skipped_after_restart(monkeypatch, tmp_path):
     assert program(interrupt=False) == [0, 0, 0, 4]
 
 
+@pytest.mark.parametrize("stop_at", [0, 2, 4])
+def test_same_loader_looped_twice_resumes_its_second_loop(monkeypatch, tmp_path, stop_at):
+    """One loader looped twice in an epoch (train, then training-set accuracy): a restart during
+    the second loop skips the first (finished) and resumes the second where it stopped, so each
+    loop processes every sample exactly once."""
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+
+    def program(interrupt: bool) -> list[list[int]]:
+        dl = at.AdaptiveDataLoader(_ids(22), batch_size=4, shuffle=True)
+        loops: list[list[int]] = [[], []]
+        for _epoch in at.remaining_epochs_until(1):
+            for (x,) in dl:
+                loops[0] += x.tolist()
+            with torch.no_grad():
+                for i, (x,) in enumerate(dl):
+                    if interrupt and i == stop_at:
+                        checkpoint.save_all_states()  # as graceful_exit at a step boundary
+                        return loops
+                    loops[1] += x.tolist()
+        return loops
+
+    before = program(interrupt=True)
+    assert len(before[1]) == 4 * stop_at
+    checkpoint.reset()  # a new process
+    after = program(interrupt=False)
+    assert after[0] == []  # finished before the restart: skipped
+    assert sorted(before[0]) == list(range(22))
+    assert sorted(before[1] + after[1]) == list(range(22))
+
+
 def test_batch_size_switch_keeps_exactly_once(monkeypatch):
     """The loader applies a suggestion only at segment boundaries; coverage stays exact."""
     from adaptrain.torch import _metrics
@@ -253,6 +284,32 @@ def test_a_segment_goes_on_across_passes(monkeypatch):
     for (_x,) in dl:
         pass
     assert len(steps_at_call) == calls + 1
+
+
+def test_a_segment_goes_on_across_passes_with_drop_last(monkeypatch):
+    """With drop_last=True the dropped tail of a pass does not end the segment either: the
+    decisions keep the cadence they have without drop_last, not one per pass."""
+    from adaptrain.torch import _metrics
+
+    def decision_gaps(drop_last: bool) -> list[int]:
+        checkpoint.reset()
+        steps_at_call, seen = [], {"steps": 0}
+        monkeypatch.setattr(
+            _metrics, "suggest_batch_size", lambda *a, **k: steps_at_call.append(seen["steps"])
+        )
+        # 7 full optimizer steps per pass, then a tail of 2 (dropped with drop_last)
+        dl = at.AdaptiveDataLoader(_ids(4 * 7 + 2), batch_size=4, drop_last=drop_last)
+        dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32))
+        for _epoch in at.remaining_epochs_until(20):
+            for (_x,) in dl:
+                seen["steps"] += 1
+        assert seen["steps"] == 20 * (7 if drop_last else 8)
+        return [b - a for a, b in zip(steps_at_call, steps_at_call[1:])]
+
+    first = _metrics.MIN_SAMPLES + 1
+    expected = [first, 2 * first, 4 * first, 50]
+    assert decision_gaps(drop_last=False) == expected
+    assert decision_gaps(drop_last=True) == expected
 
 
 # ----- three replicas ----------------------------------------------------------------------------
@@ -576,3 +633,99 @@ def test_min_local_bsz_above_max_batch_size_on_many_replicas_is_logged(monkeypat
     msg = record.getMessage()
     assert "min_local_bsz=8 on 4 replicas" in msg and "at least 32" in msg, msg
     assert "max_batch_size=16" in msg and dl._elastic.current_batch_size == 32
+
+
+def test_initial_batch_size_stays_within_max_batch_size(monkeypatch):
+    """The first (and restart) batch size within the bounds never exceeds max_batch_size on any
+    replica count, unless min_local_bsz × replicas alone does (that case is logged)."""
+    bounds = [None, 1, 2, 3, 4, 5]
+    checked = 0
+    for replicas in (1, 2, 3, 4):
+        monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", str(replicas))
+        for bsz, max_bsz, lo, hi, accum in itertools.product(
+            (1, 3, 4, 6, 7, 9, 10), (10, 11, 12, 16), bounds, bounds, (False, True)
+        ):
+            if lo is not None and (lo > max_bsz or (hi is not None and lo > hi)):
+                continue
+            helper = data_mod.AdaptiveDataLoaderHelper(bsz)
+            helper.autoscale_batch_size(max_bsz, (lo, hi), gradient_accumulation=accum)
+            local, steps = helper.current_local_bsz, helper.accumulation_steps
+            case = dict(
+                replicas=replicas, bsz=bsz, max=max_bsz, lo=lo, hi=hi, local=local, steps=steps
+            )
+            assert (lo or 1) <= local <= (hi or local) and steps >= 1, case
+            assert accum or steps == 1, case
+            if (lo or 1) * replicas <= max_bsz:
+                assert local * steps * replicas <= max_bsz, case
+                checked += 1
+    assert checked > 1000
+
+
+def test_autoscaled_steps_stay_within_max_batch_size():
+    """Samples per optimizer step in an actual pass (one replica; 2 replicas of (4, 4) are the
+    same arithmetic): 10 at most, not 3 micro-batches of 4."""
+    dl = at.AdaptiveDataLoader(_ids(60), batch_size=10)
+    dl.autoscale_batch_size(10, local_bsz_bounds=(None, 4), gradient_accumulation=True)
+    per_step, cur = [], 0
+    for (x,) in dl:
+        cur += len(x)
+        if at.current_dataloader().is_optim_step():
+            per_step.append(cur)
+            cur = 0
+    assert sum(per_step) == 60 and max(per_step) <= 10, per_step
+
+
+def _training_loader_each_epoch(rank: int, world_size: int) -> list[tuple[bool, int, int]]:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = at.AdaptiveDataParallel(net, opt)
+    ds = TensorDataset(torch.randn(16, 2), torch.randn(16, 1))
+    out = []
+    for _epoch in at.remaining_epochs_until(2):
+        loader = at.AdaptiveDataLoader(ds, batch_size=8)  # a new training loader each epoch
+        loader.autoscale_batch_size(32, local_bsz_bounds=(1, 4), gradient_accumulation=True)
+        updates = 0
+        for x, y in loader:
+            before = net.weight.detach().clone()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            updates += int(not torch.equal(before, net.weight))
+        out.append((loader.training, loader.accumulation_steps, updates))
+    return out
+
+
+def test_a_training_loader_created_each_epoch_accumulates():
+    """autoscale_batch_size makes its loader the training loader, also when an earlier one was:
+    the second epoch's loader accumulates 2 micro-batches per optimizer update like the first."""
+    [res] = spawn(_training_loader_each_epoch, 1, timeout=120)
+    assert res == [(True, 2, 2), (True, 2, 2)]
+
+
+def test_autoscale_takes_over_the_training_loader_only_outside_its_loop():
+    first = at.AdaptiveDataLoader(_ids(8), batch_size=4)
+    first.autoscale_batch_size(8)
+    second = at.AdaptiveDataLoader(_ids(8), batch_size=4)
+    assert first.training and not second.training
+    for _ in first:
+        with pytest.raises(RuntimeError, match="training loader is being iterated"):
+            second.autoscale_batch_size(8)
+    assert first.training and not second.training
+    second.autoscale_batch_size(8)
+    assert second.training and not first.training
+    second._elastic.train()  # what AdaptiveDataParallel calls: does not take it back
+    first._elastic.train()
+    assert second.training and not first.training
+
+
+def test_len_with_fewer_samples_than_replicas(monkeypatch):
+    """len() counts the micro-batches the loop yields on this replica, padded (training) or not
+    (evaluation), also when the dataset has fewer samples than replicas."""
+    monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", "3")
+    monkeypatch.setenv("ADAPTRAIN_REPLICA_RANK", "2")
+    dl = at.AdaptiveDataLoader(_ids(2), batch_size=4)
+    assert len(dl) == len(list(dl)) == 1  # training: replica 2 repeats a sample
+    with torch.no_grad():
+        assert len(dl) == len(list(dl)) == 0  # evaluation: no padding

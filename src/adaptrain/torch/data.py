@@ -349,7 +349,13 @@ class AdaptiveDataLoaderHelper:
 
     # ----- configuration ------------------------------------------------------------------------
     def train(self) -> None:
-        """Mark this loader as the training loader (only the first one called becomes it)."""
+        """Mark this loader as the training loader if there is none yet.
+
+        :meth:`autoscale_batch_size` makes its loader the training loader even when another one
+        is (e.g. a new training loader created each epoch); a plain ``train()`` (as
+        :class:`~adaptrain.torch.AdaptiveDataParallel` calls on the loader it backpropagates
+        from) does not take over.
+        """
         if AdaptiveDataLoaderHelper._training is None:
             AdaptiveDataLoaderHelper._training = self
         if self.training:
@@ -368,11 +374,17 @@ class AdaptiveDataLoaderHelper:
     ) -> None:
         """Let the batch size adapt up to ``max_batch_size`` (global); call once after creation.
 
+        Makes this loader the training loader (the one whose batch size adapts, profiled, with
+        gradient accumulation), in place of any earlier one: a training loader created anew
+        each epoch takes over from the previous epoch's.
+
         Raises:
             ValueError: ``max_batch_size`` not an int ≥ the initial batch size, or bounds that are
                 not ``(min, max)`` with ``1 ≤ min ≤ max`` and ``min ≤ max_batch_size``.
                 (``min × replicas > max_batch_size`` is only logged: the global batch size then
                 exceeds ``max_batch_size`` on this replica count.)
+            RuntimeError: called while another loader, the training loader, is being iterated
+                (it would stop being the training loader mid-loop).
         """
         if (
             isinstance(max_batch_size, bool)
@@ -405,6 +417,16 @@ class AdaptiveDataLoaderHelper:
                     f"max_batch_size={max_batch_size}"
                 )
             local_bsz_bounds = (lo, hi)
+        previous = AdaptiveDataLoaderHelper._training
+        if (
+            previous is not None
+            and previous is not self
+            and previous is AdaptiveDataLoaderHelper._current
+        ):
+            raise RuntimeError(
+                "autoscale_batch_size() called on another loader while the training loader is "
+                "being iterated: call it before (or after) the training loop"
+            )
         self._max_batch_size = max_batch_size
         self._local_bsz_bounds = local_bsz_bounds
         self._gradient_accumulation = bool(gradient_accumulation)
@@ -424,12 +446,18 @@ class AdaptiveDataLoaderHelper:
             )
         if rank == 0:  # rank 0 decides: its fit's solver loads off the critical path
             _metrics.prefetch_fit_solver()
+        AdaptiveDataLoaderHelper._training = self
         self.train()
 
     # ----- batch-size decision ------------------------------------------------------------------
     def _clamp(self, target: int, num_replicas: int) -> tuple[int, int]:
-        """(local_bsz, accum_steps) closest to a global ``target`` within the bounds."""
+        """(local_bsz, accum_steps) closest to a global ``target`` within the bounds.
+
+        Never above ``max_batch_size`` globally, except when ``min_local_bsz × num_replicas``
+        alone exceeds it (logged by :meth:`autoscale_batch_size`).
+        """
         lo, hi = self._local_bsz_bounds or (None, None)
+        min_local = lo or 1
         accum = 1
         local = max(1, math.ceil(target / num_replicas))
         if hi is not None and local > hi:
@@ -437,8 +465,19 @@ class AdaptiveDataLoaderHelper:
                 accum = math.ceil(local / hi)
                 local = max(1, math.ceil(target / (num_replicas * accum)))
             local = min(local, hi)
-        if lo is not None and local < lo:
-            local = lo
+        if local < min_local:
+            local = min_local
+            # The accumulation count was chosen for a smaller local batch: recount it (nearest,
+            # halves up; never more than before).
+            per_step = num_replicas * local
+            accum = max(1, min(accum, (2 * target + per_step) // (2 * per_step)))
+        limit = self._max_batch_size
+        if limit is not None and local * accum * num_replicas > limit:
+            # Rounding up overshot: fewer micro-batches first, then smaller ones (not below
+            # the lower bound).
+            accum = max(1, min(accum, limit // (num_replicas * local)))
+            if local * accum * num_replicas > limit:
+                local = max(min_local, limit // (num_replicas * accum))
         return local, accum
 
     def _default_decision(self) -> tuple[int, int]:
@@ -543,14 +582,16 @@ class AdaptiveDataLoaderHelper:
         try:
             yield
         finally:
-            self._state.current_index = 0
-            self._state.end_index = 0
             if self._skipped:
                 # skipdone() already counted this loop's position; counting it again (as AdaptDL
                 # does) would shift every later loop of the epoch by one, and a second loop
-                # finished before the restart would then run again.
+                # finished before the restart would then run again. Its indices are left as
+                # they are: they belong to a later loop of this loader that the restart
+                # interrupted (the same loader looped twice in an epoch), which resumes there.
                 self._skipped = False
             else:
+                self._state.current_index = 0
+                self._state.end_index = 0
                 self._state.last_position[epoch] = AdaptiveDataLoaderHelper._position[epoch]
                 AdaptiveDataLoaderHelper._position[epoch] += 1
             AdaptiveDataLoaderHelper._current = None
@@ -741,8 +782,13 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
         return self._elastic.batch_size
 
     def __len__(self) -> int:
-        """Micro-batches this replica yields in a full pass at the current batch size."""
+        """Micro-batches this replica yields in a full pass at the current batch size.
+
+        With fewer samples than replicas, the count follows the same padding rule as the loop
+        would at the time of the call (see the module docstring).
+        """
         num_replicas, rank = _world()
+        pad = self._elastic.training or torch.is_grad_enabled()
         n = len(self.dataset)
         plan = plan_pass(
             0,
@@ -752,7 +798,7 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
             num_replicas,
             self._elastic_drop_last,
         )
-        return sum(1 for mb in plan if mb.size > rank)
+        return sum(1 for mb in plan if pad or mb.size > rank)
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         """One pass over the dataset (the rest of it after a restart), exactly once overall."""
@@ -779,6 +825,9 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                     start, n, local_bsz, accum, num_replicas, self._elastic_drop_last, max_steps
                 )
                 if not plan:
+                    # drop_last left only an incomplete step: the segment (carried or just
+                    # decided) goes on, unused, in the next pass instead of being lost.
+                    helper._segment_left = max_steps
                     break
                 locals_: list[list[int]] = []
                 for mb in plan:
