@@ -50,3 +50,20 @@ def test_spawn_returns_tensors():
     out = spawn(_return_tensor, 2, timeout=60)
     for t in out:
         torch.testing.assert_close(t, torch.arange(4, dtype=torch.float32) * 3)
+
+
+def _exit_quietly(rank, world_size):
+    if rank == 1:
+        import os
+
+        os._exit(0)  # ends cleanly without reporting a result
+    return rank
+
+
+def test_spawn_reports_a_clean_exit_without_result_promptly():
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank\(s\) \[1\] died with exit code\(s\) \[0\]"):
+        spawn(_exit_quietly, 2, timeout=60, init=False)
+    assert time.monotonic() - t0 < 30

@@ -141,7 +141,11 @@ def spawn(
         import torch.distributed as dist
 
         store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout),
             wait_for_workers=False,
         )
         port = store.port
@@ -150,8 +154,18 @@ def spawn(
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, r, world_size, port, tuple(args), dict(env or {}), init, backend,
-                  max(timeout, 1.0), queue),
+            args=(
+                fn,
+                r,
+                world_size,
+                port,
+                tuple(args),
+                dict(env or {}),
+                init,
+                backend,
+                max(timeout, 1.0),
+                queue,
+            ),
             daemon=True,
         )
         for r in range(world_size)
@@ -160,6 +174,7 @@ def spawn(
         p.start()
     results: dict[int, Any] = {}
     failures: list[tuple[int, str]] = []
+    exited: dict[int, float] = {}  # rank -> when it was first seen ended without a result
     deadline = time.monotonic() + timeout
     try:
         while len(results) + len(failures) < world_size:
@@ -172,11 +187,17 @@ def spawn(
             try:
                 rank, ok, payload = queue.get(timeout=min(remaining, 0.5))
             except Exception:  # queue.Empty: check for children that died without reporting
-                dead = [
-                    i for i, p in enumerate(procs)
-                    if not p.is_alive() and p.exitcode not in (0, None)
-                    and i not in results and i not in dict(failures)
+                now = time.monotonic()
+                gone = [
+                    i
+                    for i, p in enumerate(procs)
+                    if not p.is_alive() and i not in results and i not in dict(failures)
                 ]
+                # A clean exit's result may still be in flight through the queue: one that
+                # has not arrived 2 s later never will (the child ended with os._exit(0), say).
+                for i in gone:
+                    exited.setdefault(i, now)
+                dead = [i for i in gone if procs[i].exitcode != 0 or now - exited[i] > 2.0]
                 if dead:
                     # give a dying sibling's message a moment to arrive
                     time.sleep(0.2)
