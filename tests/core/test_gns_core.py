@@ -154,6 +154,46 @@ def test_gain_limits():
     assert gain(1.0, 1.0, 1.0) == 1.0
 
 
+_GRID = (math.nan, math.inf, -math.inf, 0.0, -1.0, 5e-324, 1e-3, 1.0, 1e300)
+
+
+@pytest.mark.parametrize("scale", [0.5, 1.0, 4.0, 1e6, math.inf])
+def test_gain_float_numpy_and_torch_paths_agree_on_non_finite_statistics(scale):
+    # The float fast path used to return NaN for (1.0, nan) and (1.0, inf) (max(x, nan) depends
+    # on the argument order) where numpy and torch give 1, and to divide by zero at var/inf.
+    for sqr in _GRID:
+        for var in _GRID:
+            f = gain(sqr, var, scale)
+            n = gain(np.float64(sqr), np.float64(var), scale)
+            a = gain(np.array([sqr]), np.array([var]), scale)[0]
+            t = float(
+                gain(
+                    torch.tensor(sqr, dtype=torch.float64),
+                    torch.tensor(var, dtype=torch.float64),
+                    scale,
+                )
+            )
+            assert type(f) is float and (math.isfinite(f) or scale == math.inf), (sqr, var, f)
+            assert f == n == a == t, (sqr, var, scale, f, n, a, t)
+            if math.isnan(sqr) or math.isnan(var) or math.inf in (sqr, var):
+                assert f == 1.0  # a broken statistic claims no progress
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -1.0, math.nan, -math.inf])
+def test_gain_rejects_a_non_positive_scale_on_every_path(scale):
+    # scale=0 raised ZeroDivisionError on the float path and returned 0 (or 1) on numpy's.
+    with pytest.raises(ValueError, match="scale=.*must be positive"):
+        gain(1.0, 1.0, scale)
+    with pytest.raises(ValueError, match="scale=.*must be positive"):
+        gain(np.float64(1.0), 1.0, scale)
+    with pytest.raises(ValueError, match="scale=.*must be positive"):
+        gain(np.ones(3), np.ones(3), np.array([1.0, 2.0, scale]))
+    with pytest.raises(ValueError, match="scale=.*must be positive"):
+        gain(torch.tensor(1.0), torch.tensor(1.0), scale)
+    with pytest.raises(ValueError, match="scale=.*must be positive"):
+        gain(torch.tensor(1.0), torch.tensor(1.0), torch.tensor(scale))
+
+
 # --------------------------------------------------------------------------------------------
 # Truth test: a small network on sklearn's digits, exact full-data gradient and per-sample
 # gradient covariance, against the averaged estimates from random micro-batches.

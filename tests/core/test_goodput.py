@@ -316,6 +316,94 @@ def test_throughput_monotone_in_replicas_without_network_cost(alpha_c, beta_c, g
     np.testing.assert_allclose(thr / replicas, thr[0], rtol=1e-5)  # 1e-8 s single-replica stand-in
 
 
+def _rounded_total(init, replicas, max_atomic, accumulation, batch):
+    """AdaptDL's integer split of a total ``batch`` (see _reference_optimize), as a total."""
+    local = batch / replicas
+    if accumulation:
+        steps = math.ceil(local / max_atomic - 1e-8) - 1
+        if replicas == 1 and local > init + 1e-8:
+            steps = max(steps, 1)
+        return replicas * math.ceil(local / (steps + 1) - 1e-8) * (steps + 1)
+    return init if replicas == 1 else replicas * math.ceil(local - 1e-8)
+
+
+@SETTINGS
+@given(
+    perf=st.tuples(*[st.floats(1e-3, 1.0)] * 6, st.floats(1.0, 10.0)),
+    grad=st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)),
+    init=st.integers(1, 64),
+    nodes_replicas=st.integers(1, 16).flatmap(lambda r: st.tuples(st.integers(1, r), st.just(r))),
+    max_mult=st.floats(1.0, 40.0),
+    min_frac=st.floats(0.0, 1.0),
+    lo=st.integers(1, 16),
+    hi_extra=st.integers(0, 256),
+    accumulation=st.booleans(),
+)
+def test_optimize_min_batch_size_bounds_every_candidate(
+    perf, grad, init, nodes_replicas, max_mult, min_frac, lo, hi_extra, accumulation
+):
+    nodes, replicas = nodes_replicas
+    fn = GoodputFunction(perf, grad, init)
+    max_batch = init * max_mult
+    bounds = (lo, lo + hi_extra)
+    plain = fn.optimize(nodes, replicas, max_batch, bounds, accumulation)
+    assert (
+        fn.optimize(nodes, replicas, max_batch, bounds, accumulation, min_batch_size=None) == plain
+    )
+    # At or below the initial batch it changes nothing (AdaptDL's search starts there).
+    below = fn.optimize(nodes, replicas, max_batch, bounds, accumulation, min_batch_size=init)
+    assert below == plain
+    min_batch = init + min_frac * (max_batch - init)
+    got = fn.optimize(nodes, replicas, max_batch, bounds, accumulation, min_batch_size=min_batch)
+    if got[0] > 0:
+        total = replicas * got[1] * (got[2] + 1)
+        assert min_batch <= total and lo <= got[1] <= lo + hi_extra
+        # past max_batch only as far as the initial batch (or the minimum micro-batch) forces
+        forced = _rounded_total(
+            init, replicas, lo + hi_extra, accumulation, max(init, lo * replicas)
+        )
+        assert total <= max(max_batch, forced)
+        assert fn.evaluate(nodes, replicas, got[1], got[2]) == pytest.approx(got[0], rel=1e-12)
+
+
+def test_optimize_min_batch_size_examples():
+    fn = GoodputFunction(P1, (1.0, 0.0), 32)  # no noise: the smallest batch wins
+    assert fn.optimize(1, 4, 512) == fn.optimize(1, 4, 512, min_batch_size=None)
+    assert fn.optimize(1, 4, 512)[1] == 8
+    _, atomic, steps = fn.optimize(1, 4, 512, min_batch_size=256)
+    assert (atomic, steps) == (64, 0)  # the smallest total allowed
+    _, atomic, steps = fn.optimize(1, 3, 512, min_batch_size=100.5)  # rounded up: 3 × 34
+    assert (atomic, steps) == (34, 0)
+    # 3 × 34 = 102 > 100 = max: no candidate (the bound does not force a total past the max)
+    assert fn.optimize(1, 3, 100, min_batch_size=100)[0] == 0.0
+    assert fn.optimize(1, 4, 100, min_batch_size=100)[1:] == (25, 0)
+    # a single replica without accumulation only runs the initial batch
+    assert fn.optimize(1, 1, 512, min_batch_size=64)[0] == 0.0
+    assert fn.optimize(1, 1, 512, accumulation=True, min_batch_size=64)[1:] == (32, 1)
+    for bad in (513, math.nan, math.inf):
+        with pytest.raises(ValueError, match="min_batch_size"):
+            fn.optimize(1, 4, 512, min_batch_size=bad)
+
+
+@pytest.mark.parametrize("init", [32.5, 7.25, 32.000000001, 31.999999999])
+def test_optimize_with_a_non_integer_initial_batch(init):
+    # 32.5 used to give a single replica atomic_bsz = int(32.5) = 32 < 32.5, and evaluate
+    # raised; the search now starts at ceil(init) (AdaptDL's integers are unchanged).
+    fn = GoodputFunction(P1, GRAD, init)
+    for replicas in range(1, 9):
+        for accumulation in (False, True):
+            for bounds in (None, (1, 8), (5, 1000)):
+                good, atomic, steps = fn.optimize(1, replicas, 4 * init, bounds, accumulation)
+                total = replicas * atomic * (steps + 1)
+                assert total >= init and (good > 0 or bounds == (1, 8)), (replicas, bounds)
+                if replicas == 1 and not accumulation:
+                    assert (atomic, steps) == (math.ceil(init), 0)
+    # an integral float is the integer
+    assert GoodputFunction(P1, GRAD, 32.0).optimize(1, 3, 128, None, True) == GoodputFunction(
+        P1, GRAD, 32
+    ).optimize(1, 3, 128, None, True)
+
+
 # ------------------------------------------------------------------ bad input
 
 

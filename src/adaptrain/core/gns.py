@@ -123,15 +123,28 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
     ``sqr`` and ``var`` are clipped at 0 (a raw average can dip below), so ``1 ≤ r ≤ scale``.
     Both are first divided by the larger of the two, so that subnormal statistics (a vanishing
     gradient) keep the bounds: ``var/scale`` of a subnormal ``var`` loses its precision.
+    A NaN or ``+inf`` statistic gives 1 (no progress claimed from a broken estimate), ``-inf``
+    clips to 0 like any negative value; Python floats, numpy arrays and torch tensors agree.
+
+    Raises:
+        ValueError: if a ``scale`` is not positive (NaN included).
     """
     if type(sqr) is float and type(var) is float and isinstance(scale, (int, float)):
         # fast path for Python floats (IEEE doubles: the same result as the numpy path)
-        sqr_f, var_f = max(sqr, 0.0), max(var, 0.0)
+        if not scale > 0:
+            raise ValueError(f"scale={scale!r} must be positive (batch size over base batch size)")
+        if math.isnan(sqr) or math.isnan(var) or sqr == math.inf or var == math.inf:
+            return 1.0  # the numpy path: NaN, or inf/inf = NaN after the normalisation
+        sqr_f = sqr if sqr > 0.0 else 0.0
+        var_f = var if var > 0.0 else 0.0
         top = max(sqr_f, var_f)
         if not top > 0:
             return 1.0
         sqr_f, var_f = sqr_f / top, var_f / top
-        return (var_f + sqr_f) / (var_f / scale + sqr_f)
+        denom = var_f / scale + sqr_f
+        if not denom > 0:  # var/inf with sqr = 0
+            return 1.0
+        return (var_f + sqr_f) / denom
     import numpy as np
 
     if _is_tensor(sqr) or _is_tensor(var) or _is_tensor(scale):
@@ -140,6 +153,8 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
         sqr_t = torch.as_tensor(sqr, dtype=torch.float64).clamp_min(0.0)
         var_t = torch.as_tensor(var, dtype=torch.float64).clamp_min(0.0)
         scale_t = torch.as_tensor(scale, dtype=torch.float64)
+        if not bool(torch.all(scale_t > 0)):
+            raise ValueError(f"scale={scale!r} must be positive (batch size over base batch size)")
         top = torch.maximum(sqr_t, var_t)
         top = torch.where(top > 0, top, torch.ones_like(top))
         sqr_t, var_t = sqr_t / top, var_t / top
@@ -149,11 +164,13 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
     sqr_a = np.maximum(np.asarray(sqr, dtype=np.float64), 0.0)
     var_a = np.maximum(np.asarray(var, dtype=np.float64), 0.0)
     scale_a = np.asarray(scale, dtype=np.float64)
+    if not np.all(scale_a > 0):
+        raise ValueError(f"scale={scale!r} must be positive (batch size over base batch size)")
     top = np.maximum(sqr_a, var_a)
     top = np.where(top > 0, top, 1.0)
-    sqr_a, var_a = sqr_a / top, var_a / top
-    denom = var_a / scale_a + sqr_a
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        sqr_a, var_a = sqr_a / top, var_a / top  # inf/inf = NaN: gain 1 below
+        denom = var_a / scale_a + sqr_a
         out = np.where(denom > 0, (var_a + sqr_a) / np.where(denom > 0, denom, 1.0), 1.0)
     return float(out) if out.ndim == 0 else out
 

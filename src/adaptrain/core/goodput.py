@@ -30,8 +30,10 @@ analytic gradient (no autograd package, no monkey-patching) and a multi-start se
 Deliberate differences from AdaptDL 0.2.11: bad input raises ``ValueError`` (not ``assert``);
 ``optimize`` returns Python scalars only when both allocations are scalars (AdaptDL's
 ``.item()`` fails for a scalar mixed with an array); ``sqr``/``var`` are clipped at 0 in the
-efficiency (AdaptDL's callers pass clipped values anyway); the fit's search is more reliable
-(see :func:`fit_perf_params`), its objective and priors are the same.
+efficiency (AdaptDL's callers pass clipped values anyway); ``optimize`` starts its search at
+``⌈init_batch_size⌉`` (AdaptDL truncates a non-integer one and fails) and takes an optional
+``min_batch_size``; the fit's search is more reliable (see :func:`fit_perf_params`), its
+objective and priors are the same.
 """
 
 from __future__ import annotations
@@ -233,23 +235,30 @@ class GoodputFunction:
         accumulation: bool = False,
         *,
         round_past_max: bool = False,
+        min_batch_size: float | None = None,
     ) -> tuple[Any, Any, Any]:
         """Best ``(goodput, atomic_bsz, accum_steps)`` for each (nodes, replicas) allocation.
 
         For every allocation (broadcast of ``num_nodes`` and ``num_replicas``) it samples
         :data:`NUM_CANDIDATES` total batch sizes geometrically between
-        ``max(init_batch_size, min_atomic_bsz · num_replicas)`` and ``max_batch_size``, turns each
-        into an integer ``(atomic_bsz, accum_steps)``, evaluates all candidates at once and
-        keeps the best. Candidates whose ``atomic_bsz`` falls outside ``atomic_bsz_range``, or
-        whose rounded-up total exceeds ``max_batch_size`` (unless the smallest candidate's total
-        already does), get goodput 0 (so an all-infeasible allocation returns goodput 0).
+        ``max(⌈init_batch_size⌉, min_atomic_bsz · num_replicas, ⌈min_batch_size⌉)`` and
+        ``max_batch_size``, turns each into an integer ``(atomic_bsz, accum_steps)``, evaluates
+        all candidates at once and keeps the best. Candidates whose ``atomic_bsz`` falls outside
+        ``atomic_bsz_range``, whose total is below ``min_batch_size``, or whose rounded-up total
+        exceeds ``max_batch_size`` (unless the total rounded up from the initial batch or the
+        minimum micro-batch already does), get goodput 0 (so an all-infeasible allocation
+        returns goodput 0).
 
         * Without ``accumulation``: ``accum_steps = 0``; a single replica keeps
-          ``atomic_bsz = init_batch_size`` (it cannot grow its batch without accumulation),
+          ``atomic_bsz = ⌈init_batch_size⌉`` (it cannot grow its batch without accumulation),
           more replicas use ``ceil(batch / num_replicas)``.
         * With ``accumulation``: ``accum_steps = ceil(local / max_atomic_bsz) − 1`` (at least 1
           for a single replica whose local batch exceeds ``init_batch_size``, so that the
           gradient noise can be estimated) and ``atomic_bsz = ceil(local / (accum_steps + 1))``.
+
+        The search starts at ``⌈init_batch_size⌉`` (the initial batch itself when it is an
+        integer, AdaptDL's case), so every candidate's total is at least a non-integer
+        ``init_batch_size`` too.
 
         Args:
             num_nodes: nodes spanned (int or array), each ``1 ≤ num_nodes ≤ num_replicas``.
@@ -261,6 +270,11 @@ class GoodputFunction:
             round_past_max: keep AdaptDL's rule, where a micro-batch rounded up may take the
                 total past ``max_batch_size`` (the Pollux artifact's simulator decided so; the
                 scheduler's simulation keeps it for fidelity).
+            min_batch_size: the smallest total batch to consider (default None: from the
+                initial batch, as AdaptDL); raises the start of the search, and a candidate whose
+                total still falls below it (a single replica without accumulation, stuck at the
+                initial batch) gets goodput 0. A caller bounds a move's shrink with it. It does
+                not let a rounded-up total pass ``max_batch_size``.
 
         Returns:
             ``(goodput, atomic_bsz, accum_steps)``: Python scalars when both allocations are
@@ -268,7 +282,8 @@ class GoodputFunction:
 
         Raises:
             ValueError: on ``num_nodes < 1``, ``num_nodes > num_replicas``,
-                ``max_batch_size < init_batch_size`` or a bad ``atomic_bsz_range``.
+                ``max_batch_size < init_batch_size``, ``min_batch_size > max_batch_size`` or a
+                bad ``atomic_bsz_range``.
         """
         nodes_in = np.asarray(num_nodes)
         replicas_in = np.asarray(num_replicas)
@@ -296,31 +311,54 @@ class GoodputFunction:
                 "(None entries default to 1 and max_batch_size)"
             )
 
+        if min_batch_size is not None and not (
+            np.isfinite(min_batch_size) and min_batch_size <= max_batch_size
+        ):
+            raise ValueError(
+                f"min_batch_size={min_batch_size!r} must be finite and at most "
+                f"max_batch_size={max_batch_size!r}; lower it or pass None (from the initial batch)"
+            )
+
         shape = np.broadcast(nodes_in, replicas_in).shape
         nodes = np.broadcast_to(nodes_in, shape).reshape(-1)
         replicas = np.broadcast_to(replicas_in, shape).reshape(-1)
 
+        # The search starts at an integer: a total rounded up from a multiple of 1/(replicas ·
+        # micro-batches) minus the epsilon stays ≥ it, hence ≥ init (AdaptDL's ints unchanged).
+        init_int = math.ceil(init)
+        floor = init_int if min_batch_size is None else max(init_int, math.ceil(min_batch_size))
+
+        def split(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Integer ``(atomic_bsz, accum_steps)`` for each total ``batch`` (AdaptDL's)."""
+            local = batch / replicas
+            if accumulation:
+                accum = np.ceil(local / max_atomic - _EPS_ROUND) - 1
+                needs_two = (replicas == 1) & (local > init_int + _EPS_ROUND)
+                accum = np.where(needs_two, np.maximum(accum, 1), accum).astype(int)
+                atomic = np.ceil(local / (accum + 1) - _EPS_ROUND).astype(int)
+            else:
+                accum = np.zeros(local.shape, dtype=int)
+                atomic = np.where(replicas == 1, init_int, np.ceil(local - _EPS_ROUND)).astype(int)
+            return atomic, accum
+
         # Candidates: (NUM_CANDIDATES, n_allocations).
-        min_batch = np.maximum(init, min_atomic * replicas)
+        base_batch = np.maximum(init_int, min_atomic * replicas)
+        min_batch = np.maximum(floor, base_batch)
         batch = np.geomspace(min_batch, max_batch_size, num=NUM_CANDIDATES)
-        local = batch / replicas
-        if accumulation:
-            accum = np.ceil(local / max_atomic - _EPS_ROUND) - 1
-            needs_two = (replicas == 1) & (local > init + _EPS_ROUND)
-            accum = np.where(needs_two, np.maximum(accum, 1), accum).astype(int)
-            atomic = np.ceil(local / (accum + 1) - _EPS_ROUND).astype(int)
-        else:
-            accum = np.zeros(local.shape, dtype=int)
-            atomic = np.where(replicas == 1, init, np.ceil(local - _EPS_ROUND)).astype(int)
+        atomic, accum = split(batch)
+        total = replicas * atomic * (accum + 1)
 
         goodput = self.evaluate(nodes, replicas, atomic, accum)
         valid = (min_atomic <= atomic) & (atomic <= max_atomic)
+        if min_batch_size is not None:
+            valid &= total >= min_batch_size
         # Rounding the micro-batch up may overshoot max_batch_size (40 on 3 replicas → 3 × 14):
-        # such candidates are out, unless the smallest candidate already overshoots (then the
-        # initial batch or the minimum micro-batch forces it, and its total is the floor).
+        # such candidates are out, unless the smallest total from the initial batch already
+        # overshoots (then the initial batch or the minimum micro-batch forces it, and its
+        # total is the floor; a min_batch_size does not force it).
         if not round_past_max:
-            total = replicas * atomic * (accum + 1)
-            valid &= total <= np.maximum(max_batch_size, total[0])
+            base_atomic, base_accum = split(base_batch)  # total[0] without min_batch_size
+            valid &= total <= np.maximum(max_batch_size, replicas * base_atomic * (base_accum + 1))
         goodput = np.where(valid, goodput, 0.0)
         best = np.argmax(goodput, axis=0)
         cols = np.arange(goodput.shape[1])

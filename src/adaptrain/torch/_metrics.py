@@ -9,13 +9,13 @@ and optimizer-step times; :func:`get_goodput_fn` fits
 :class:`~adaptrain.core.goodput.PerfParams` with :func:`~adaptrain.core.goodput.fit_perf_params`
 to the configurations with at least :data:`MIN_SAMPLES` optimizer steps (refitting when one
 newly qualifies or after :data:`REFIT_SAMPLES` new steps), and :func:`suggest_batch_size`
-maximises :meth:`GoodputFunction.optimize` within a bounded step (:data:`MAX_STEP`) of what was
-measured. It proposes a new ``(atomic_bsz, accum_steps)`` only after the current configuration
-has been measured, if the predicted goodput beats the current one by ``min_improvement`` (5%;
-plus :data:`UNDO_MARGIN` to return to the configuration just left), or, while one micro-batch
-size has been profiled, to explore the step up when the prior predicts it within
-:data:`EXPLORE_TOLERANCE` of the current goodput. Pollux (Qiao et al., OSDI 2021) explores
-through its scheduler instead; these rules stand in for it in a single job.
+maximises :meth:`GoodputFunction.optimize` within a bounded step (:data:`MAX_STEP`, up or
+down) of what was measured. It proposes a new ``(atomic_bsz, accum_steps)`` only after the
+current configuration has been measured, if the predicted goodput beats the current one by
+``min_improvement`` (5%; plus :data:`UNDO_MARGIN` to return to the configuration just left),
+or, while one micro-batch size has been profiled, to explore the step up when the prior
+predicts it within :data:`EXPLORE_TOLERANCE` of the current goodput. Pollux (Qiao et al.,
+OSDI 2021) explores through its scheduler instead; these rules stand in for it in a single job.
 
 Like AdaptDL, the non-synchronising part of an optimizer step (step time − sync time) counts as
 an accumulation-step sample, so a job that never accumulates still fits the compute model.
@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 #: Optimizer steps profiled at a configuration before it enters the fit (and before leaving it).
 MIN_SAMPLES = 10
-#: Largest factor of one move (total batch, and micro-batch beyond the largest profiled one).
+#: Largest factor of one move, up or down (total batch; micro-batch beyond the largest profiled).
 MAX_STEP = 2.0
 #: Exploration tries the bounded step up if predicted ≥ (1 − this) × the current goodput.
 #: With the one-size prior (half of a step is fixed cost) a 2× step is predicted at ≥ 2/3 of the
@@ -460,16 +460,22 @@ def suggest_batch_size(
       profiled optimizer steps, and only configurations with that many steps enter the fit of
       the step-time model (a size tried for a few noisy steps cannot flip the decision).
       The fit is redone when a configuration qualifies or after ``refit_samples`` new steps.
-    * **Bounded step.** A move may change the total batch by at most ``max_step``× (a single
-      replica entering accumulation: ``2·max_step``×, it needs two micro-batches) and may
-      use micro-batches at most ``max_step``× the largest profiled one on this replica count:
-      the model extrapolates at most that far beyond what was measured.
+    * **Bounded step.** A move may change the total batch by at most ``max_step``×, up or
+      down (a single replica entering accumulation may grow ``2·max_step``×, it needs two
+      micro-batches), and may use micro-batches at most ``max_step``× the largest profiled
+      one on this replica count: the model extrapolates at most that far beyond what was
+      measured. The job's limits win over the bound: a move from a total below the initial
+      batch may grow to it (bounds permitting), one from above ``max_step · max_batch_size``
+      (a restart with a smaller one) shrink to ``max_batch_size``, and when no total within
+      the bound fits ``local_bsz_bounds`` (or for a single replica without accumulation,
+      which only runs the initial batch) the search drops the lower bound.
     * **Hysteresis.** A move needs a predicted gain ``goodput_best / goodput_current − 1`` of
       at least ``min_improvement``; returning to the configuration this job just left needs
       ``min_improvement + undo_margin`` (no 32 → 52 → 32 flips on timing noise).
     * **Exploration.** While only one micro-batch size has been profiled on this replica
       count, the step-time model rests on AdaptDL's prior (half of the step is fixed cost).
-      Then the bounded step up is *tried* if its predicted goodput is at least
+      Then the bounded step up (to the initial batch at least; a single replica above it
+      through two micro-batches) is *tried* if its predicted goodput is at least
       ``1 − explore_tolerance`` of the current one, so that the next fit has two sizes to
       draw a compute line through instead of a prior.
     """
@@ -511,26 +517,20 @@ def suggest_batch_size(
     if num_replicas == 1 and current_accum_steps == 1 and s.gradient_accumulation:
         step_total *= 2  # a single replica grows through ≥ 2 micro-batches (noise estimate)
     max_batch = max(min(s.max_batch_size, int(step_total)), s.init_batch_size)
-    best, atomic, extra = fn.optimize(
-        num_nodes,
-        num_replicas,
-        max_batch_size=max_batch,
-        atomic_bsz_range=(lo, hi),
-        accumulation=s.gradient_accumulation,
-    )
+    # The shrink is bounded too: ``optimize`` alone searches from the initial batch up.
+    min_batch = min(max(total / max_step, s.init_batch_size), max_batch)
+    search = {
+        "max_batch_size": max_batch,
+        "atomic_bsz_range": (lo, hi),
+        "accumulation": s.gradient_accumulation,
+    }
+    best, atomic, extra = fn.optimize(num_nodes, num_replicas, min_batch_size=min_batch, **search)
+    if not best > 0 and min_batch > s.init_batch_size:
+        # Nothing within the bound fits the micro-batch bounds: the bounds win (see above).
+        best, atomic, extra = fn.optimize(num_nodes, num_replicas, **search)
     atomic, accum = int(atomic), int(extra) + 1
     best_atomic, best_accum = atomic, accum
-    if total >= s.init_batch_size:
-        now = float(
-            fn.evaluate(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1)
-        )
-    else:  # bounds forced a total below the initial batch (e.g. after a rescale to fewer replicas)
-        now = float(
-            fn.throughput(num_nodes, num_replicas, current_atomic_bsz, current_accum_steps - 1)
-            * fn.efficiency(total)
-        )
-    if not (np.isfinite(now) and now > 0):
-        now = 0.0
+    now = _predicted_goodput(fn, num_nodes, num_replicas, current_atomic_bsz, current_accum_steps)
     reason = "predicted gain"
     if (atomic, accum) == current[2:] or best <= 0:
         atomic = accum = 0
@@ -541,11 +541,13 @@ def suggest_batch_size(
     ):
         atomic = accum = 0
     if not atomic and len(set(profiled)) <= 1 and max_batch > total:
-        # Exploration: one bounded step up, to measure a second size.
-        up = min(max_batch, int(step_total))
-        cand = _configuration(up, num_replicas, lo, hi, s.gradient_accumulation)
+        # Exploration: one bounded step up (to the initial batch at least), to measure a
+        # second size.
+        up = max_batch
+        cand = _configuration(up, num_replicas, lo, hi, s.gradient_accumulation, s.init_batch_size)
         if cand is not None and cand[0] not in profiled:
-            value = float(fn.evaluate(num_nodes, num_replicas, cand[0], cand[1] - 1))
+            # its total may lie below the initial batch, as the current one (scored alike)
+            value = _predicted_goodput(fn, num_nodes, num_replicas, *cand)
             if value >= (1.0 - explore_tolerance) * now:
                 atomic, accum, best, reason = cand[0], cand[1], value, "exploration"
     if not atomic:
@@ -572,17 +574,46 @@ def suggest_batch_size(
     return atomic, accum
 
 
+def _predicted_goodput(
+    fn: GoodputFunction, num_nodes: int, num_replicas: int, atomic_bsz: int, accum_steps: int
+) -> float:
+    """Goodput of ``(atomic_bsz, accum_steps)`` (micro-batches per step), 0 if not positive.
+
+    A total below the initial batch (bounds forced it, e.g. after a rescale to fewer replicas,
+    or a restart with a larger batch size) is scored as throughput × efficiency(total), which
+    :meth:`GoodputFunction.evaluate` refuses.
+    """
+    total = num_replicas * atomic_bsz * accum_steps
+    if total >= fn.init_batch_size:
+        value = float(fn.evaluate(num_nodes, num_replicas, atomic_bsz, accum_steps - 1))
+    else:
+        value = float(
+            fn.throughput(num_nodes, num_replicas, atomic_bsz, accum_steps - 1)
+            * fn.efficiency(total)
+        )
+    return value if np.isfinite(value) and value > 0 else 0.0
+
+
 def _configuration(
-    batch: int, num_replicas: int, min_atomic: int, max_atomic: int, accumulation: bool
+    batch: int,
+    num_replicas: int,
+    min_atomic: int,
+    max_atomic: int,
+    accumulation: bool,
+    init_batch_size: float,
 ) -> tuple[int, int] | None:
     """``(atomic_bsz, accum_steps)`` with a total of at most ``batch`` and a micro-batch in
     ``[min_atomic, max_atomic]``, or None. A single replica without accumulation cannot grow
-    (the goodput model keeps it at the initial batch)."""
+    (the goodput model keeps it at the initial batch); with accumulation it runs at least two
+    micro-batches above the initial batch (as :meth:`GoodputFunction.optimize` does: the
+    gradient noise is estimated from them)."""
     if num_replicas == 1 and not accumulation:
         return None
     local = batch // num_replicas
+    min_accum = 2 if num_replicas == 1 and local > init_batch_size else 1
     best = None
-    for accum in {max(1, local // max_atomic), math.ceil(local / max_atomic)}:
+    accums = {max(1, local // max_atomic), math.ceil(local / max_atomic)}
+    for accum in {max(a, min_accum) for a in accums}:
         if accum > 1 and not accumulation:
             continue
         atomic = min(max_atomic, local // accum)
