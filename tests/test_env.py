@@ -99,3 +99,12 @@ def test_stray_adaptrain_rendezvous_variables_do_not_hang_a_torchrun_job(tmp_pat
 def test_adaptdl_names(monkeypatch):
     monkeypatch.setenv("ADAPTRAIN_SCHED_VERSION", "1.2")
     assert env.adaptdl_sched_version() == env.adaptrain_sched_version() == "1.2"
+
+
+@pytest.mark.parametrize("value", ["70000", "-1"])
+def test_a_port_out_of_range_names_the_variable(monkeypatch, value):
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ADAPTRAIN_MASTER_PORT", value)
+    with pytest.raises(ValueError, match=f"ADAPTRAIN_MASTER_PORT={value} is not a port"):
+        env.master_port()

@@ -157,8 +157,16 @@ def master_port() -> int:
     torchrun its ``MASTER_PORT``), or 0 if unset.
 
     0 means "not set": a single-process job then picks a free port itself.
+
+    Raises:
+        ValueError: a value outside 0..65535, naming the variable.
     """
-    return _get_int(0, *_rendezvous("ADAPTRAIN_MASTER_PORT", "MASTER_PORT"))
+    names = _rendezvous("ADAPTRAIN_MASTER_PORT", "MASTER_PORT")
+    port = _get_int(0, *names)
+    if not 0 <= port <= 65535:
+        name = next(n for n in names if os.environ.get(n))
+        raise ValueError(f"environment variable {name}={port} is not a port (0..65535)")
+    return port
 
 
 def launched_by_torchrun() -> bool:
