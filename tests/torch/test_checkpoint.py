@@ -185,3 +185,27 @@ def test_save_all_states_three_replicas(tmp_path):
     res = spawn(_save_then_load, 3, args=(str(tmp_path),), timeout=120)
     assert res == [(6, ["checkpoint-000000"], 6)] * 3
     assert dckpt.latest_checkpoint(str(tmp_path)).endswith("checkpoint-000000")
+
+
+def test_a_live_writers_temporary_folder_is_left_alone(monkeypatch, tmp_path):
+    # Another job saving into the same root: its in-progress folder must survive our cleanup;
+    # debris of a dead writer goes.
+    import subprocess
+    import sys
+
+    _ckpt(monkeypatch, tmp_path)
+    Blob("a", 1)
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        live = tmp_path / f".tmp-checkpoint-000007-{other.pid}"
+        live.mkdir()
+        dead = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+        ).stdout.strip()
+        debris = tmp_path / f".tmp-checkpoint-000003-{dead}"
+        debris.mkdir()
+        assert checkpoint.save_all_states()
+        assert live.is_dir() and not debris.exists()
+    finally:
+        other.kill()
+        other.wait()

@@ -371,6 +371,26 @@ def _write_state_file(state: State, checkpoint_dir: str) -> tuple[str, dict]:
     return fname, {"file": fname, "sha256": writer.hexdigest(), "size": writer.size}
 
 
+def _writer_alive(entry: str) -> bool:
+    """Whether the temporary folder ``entry`` (``.tmp-checkpoint-SEQ-PID``) belongs to another
+    process of this host that is still running (another job saving into the same root): its
+    save is in progress and must not be deleted. Debris of this process or of a dead one is
+    not. (A writer on another host cannot be seen; only rank 0 writes.)"""
+    try:
+        pid = int(entry.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 def save_all_states() -> bool:
     """Checkpoint every registered State (collective: call on every replica at the same point).
 
@@ -405,7 +425,7 @@ def save_all_states() -> bool:
         for _, old in _seq_dirs(root)[:-1]:
             shutil.rmtree(old, ignore_errors=True)
         for entry in os.listdir(root):
-            if entry.startswith(".tmp-checkpoint-"):
+            if entry.startswith(".tmp-checkpoint-") and not _writer_alive(entry):
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
         logger.info("saved %d states to %s", len(_registry), final)
     collective.barrier()
