@@ -259,3 +259,48 @@ def test_pollux_state_roundtrip_replays_identically():
     b1 = p1.optimize(jobs, nodes, a, 120.0)
     b2 = p2.optimize(jobs, nodes, a, 120.0)
     assert b1 == b2
+
+
+@pytest.mark.parametrize("kind", ["pollux", "waterfill"])
+def test_free_restarts_and_a_job_of_age_zero(kind):
+    # restart_delay=0 (free restarts) with a job submitted at the round boundary (age 0): the
+    # restart factor was 0/0 (NaN fitness: arbitrary allocations, idle GPUs) and waterfill's
+    # restart cost divided by zero.
+    from adaptrain.sched.speedup import LinearSpeedup
+
+    nodes = {0: NodeInfo(4), 1: NodeInfo(4)}
+    for seed in range(3):
+        jobs = {
+            "old": JobInfo(0.0, max_replicas=8, speedup_fn=LinearSpeedup(), age=600.0),
+            "new": JobInfo(600.0, max_replicas=8, speedup_fn=LinearSpeedup(), age=0.0),
+        }
+        base = {"old": [0, 0, 0, 0, 1, 1, 1, 1]}
+        if kind == "pollux":
+            policy = PolluxPolicy(pop_size=50, generations=50, restart_delay=0.0, seed=seed)
+        else:
+            policy = WaterfillPolicy(restart_delay=0.0, seed=seed)
+        alloc = policy.optimize(jobs, nodes, base, 600.0)
+        assert sum(len(v) for v in alloc.values()) == 8, (seed, alloc)  # no GPU left idle
+
+
+@pytest.mark.parametrize("kind", ["pollux", "waterfill"])
+def test_a_cluster_without_gpus_gets_no_allocation(kind):
+    policy = PolluxPolicy(pop_size=10, generations=5) if kind == "pollux" else WaterfillPolicy()
+    jobs = {"a": JobInfo(0.0, max_replicas=2)}
+    assert policy.optimize(jobs, {0: NodeInfo(0)}, {}, 0.0) == {}
+
+
+def test_optimus_respects_min_replicas_and_pins_non_preemptible_jobs():
+    def step(r):
+        return 1.0 / r
+
+    jobs = {
+        "a": JobInfo(0.0, min_replicas=6, max_replicas=8, step_time_fn=step),
+        "b": JobInfo(1.0, max_replicas=2, step_time_fn=step),
+        "np": JobInfo(2.0, max_replicas=4, preemptible=False, step_time_fn=step),
+    }
+    nodes = {0: NodeInfo(2), 1: NodeInfo(4)}
+    alloc = OptimusPolicy().optimize(jobs, nodes, {"np": [1]}, 60.0)
+    assert alloc["np"] == [1]  # kept where it runs
+    assert not alloc.get("a")  # 6 replicas do not fit beside the others: none
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes)

@@ -103,7 +103,7 @@ class WeightedGeneticSearch(PolluxPolicy):
 
         Its FITNESS is left in :attr:`last_fitness`.
         """
-        if not jobs:
+        if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
             self.last_fitness = 0.0
             return {}
         job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)

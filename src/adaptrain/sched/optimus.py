@@ -1,7 +1,8 @@
 """Optimus baseline as run in the Pollux paper's simulator.
 
 Peng et al., "Optimus: An Efficient Dynamic Resource Scheduler for Deep Learning Clusters",
-EuroSys'18. Every job gets one GPU, then GPUs are handed out one at a time to the job with the
+EuroSys'18. Every job gets one GPU (``min_replicas`` if more; a non-preemptible job keeps the
+allocation it runs on), then GPUs are handed out one at a time to the job with the
 largest marginal reduction of remaining time, ``(t_step(r) - t_step(r + 1)) * remaining_steps``,
 at the job's fixed batch size. Jobs whose replica count is unchanged keep their placement; the
 others are packed (fewest replicas first) onto the nodes with the most free GPUs.
@@ -42,13 +43,22 @@ class OptimusPolicy:
                 return 0.0
             return (job.step_time_fn(r) - job.step_time_fn(r + 1)) * job.remaining_steps
 
-        for key in jobs:  # every job asks for one replica first (arrival order)
-            if free_total < 1:
+        pinned = {  # non-preemptible jobs keep the allocation they run on
+            k for k, job in jobs.items() if not job.preemptible and base_allocations.get(k)
+        }
+        for key in pinned:
+            num_replicas[key] = len(base_allocations[key])
+            free_total -= num_replicas[key]
+        for key in jobs:  # every other job asks for its first replicas (arrival order)
+            if key in pinned:
+                continue
+            first = max(1, jobs[key].min_replicas)
+            if free_total < first:
                 num_replicas[key] = 0
                 gain[key] = 0.0
                 continue
-            num_replicas[key] = 1
-            free_total -= 1
+            num_replicas[key] = first
+            free_total -= first
             gain[key] = marginal(key)
         while free_total > 0 and gain and max(gain.values()) > 0:
             key = max(gain, key=lambda k: gain[k])

@@ -169,7 +169,13 @@ class PolluxPolicy:
         restarts = np.array([j.num_restarts for j in jobs], dtype=np.float64)
         age = np.array([j.age for j in jobs], dtype=np.float64)
         d = self.restart_delay
-        self._restart_factor = np.maximum(age - restarts * d, 0.0) / (age + d)
+        # d = 0 and age 0: a free restart (factor 1), not 0/0
+        self._restart_factor = np.divide(
+            np.maximum(age - restarts * d, 0.0),
+            age + d,
+            out=np.ones_like(age),
+            where=(age + d) > 0,
+        )
 
     def _speedups(self, states: np.ndarray) -> np.ndarray:
         n = np.minimum(np.count_nonzero(states, axis=2), self._nmax)
@@ -269,7 +275,7 @@ class PolluxPolicy:
         time: float,
     ) -> Allocation:
         """One Pollux round: allocations maximising the fitness found by the genetic search."""
-        if not jobs:
+        if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
             return {}
         job_keys = sorted(
             jobs,

@@ -242,7 +242,7 @@ class WaterfillPolicy:
             gain = float(fn(-(-far // g), far)) - float(fn(-(-cap // g), cap))
             # one round's gain, a one-off, as a rate over the job's restart horizon (as the
             # restart penalty converts its one-off loss): round * (restarts + 1) / (age + d)
-            rate = min(1.0, self.round_seconds * (job.num_restarts + 1) / (job.age + d))
+            rate = min(1.0, self.round_seconds * (job.num_restarts + 1) / max(job.age + d, 1e-9))
             bonus = self.ramp_credit * rate * gain
             if bonus > 0:
                 speedup = RampSpeedup(fn, job.max_profiled_replicas, cap, bonus)
@@ -284,7 +284,7 @@ class WaterfillPolicy:
         time: float,
     ) -> Allocation:
         """One round: replica counts by local search, then placement."""
-        if not jobs:
+        if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
             return {}
         jobs = self._explore(jobs)
         total = sum(int(n.gpus) for n in nodes.values())
@@ -296,7 +296,12 @@ class WaterfillPolicy:
         d = self.restart_delay
         rel_cost = {
             k: min(
-                1.0, max(self.min_restart_cost, d * (jobs[k].num_restarts + 1) / (jobs[k].age + d))
+                1.0,
+                max(
+                    self.min_restart_cost,
+                    # d = 0: restarts are free (also for a job of age 0)
+                    d * (jobs[k].num_restarts + 1) / (jobs[k].age + d) if d > 0 else 0.0,
+                ),
             )
             for k in keys
         }
