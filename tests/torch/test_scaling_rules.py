@@ -193,3 +193,25 @@ def test_a_second_rule_on_the_same_optimizer_replaces_the_first():
     opt.step(closure)
     assert seen == [pytest.approx(0.25)]  # scaled once, not twice
     assert owner.ended == [] and len(owner2.ended) == 1
+
+
+def test_a_closure_step_takes_the_scale_of_its_own_forward():
+    # LBFGS-style: the closure runs the step's forward after the pre-step hook, and the
+    # optimizer reads the lr before calling it. The hook asks the owner to refresh the step's
+    # scale from the loader first, instead of using the previous forward's.
+    class _Refreshing(_Stepper):
+        def _refresh_step_scale(self):
+            self.scale = self.loader_scale
+
+    owner = _Refreshing(1.0)  # the previous forward ran at scale 1
+    owner.loader_scale = 2.0  # the loader's batch size has doubled since
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    opt = torch.optim.SGD([p], lr=0.1)
+    LinearScale().initialize(owner, opt, patch_optimizer=True)
+    seen = []
+    opt.step(lambda: seen.append(opt.param_groups[0]["lr"]))
+    assert seen == [pytest.approx(0.2)] and owner.ended == [(2.0, 2.0)]
+    assert opt.param_groups[0]["lr"] == 0.1
+    opt.step()  # no closure: the forward already ran, nothing refreshed
+    assert owner.ended[-1] == (2.0, 2.0)

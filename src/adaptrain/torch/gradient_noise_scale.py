@@ -725,6 +725,10 @@ class GradientNoiseScale:
 
         The step still pending is not included: call :meth:`flush` on every replica first
         (AdaptiveDataParallel's checkpoint does, in its State's collective ``sync()``).
+        With one replica the consecutive-step estimator's previous gradient is not saved
+        either (it would cost a gradient's worth of checkpoint): the first step after a
+        restore has nothing to pair with, so a restart costs that estimator one sample, and
+        save → load → replay then gives averages that differ by that sample.
         """
         return {
             "sqr": tuple(self._sqr),

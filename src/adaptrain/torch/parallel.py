@@ -145,27 +145,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
         loader = current_dataloader()
         if loader is not None and not loader.training:
             loader.train()  # the loader we backpropagate from is the training loader
-        if loader is not None and loader.training:
-            sync = bool(loader.is_optim_step())
-            accum = max(int(loader.accumulation_steps), 1)
-            init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
-            self._rt.init_bsz = int(init_bsz)
-            scale = float(loader.current_batch_size) / float(init_bsz)
-            if sync and accum > 1:
-                # The last step of a pass may hold fewer micro-batches than planned: average
-                # (and scale the lr and the statistics) by the ones it actually ran.
-                ran = min(int(loader._accum_count) + 1, accum)
-                if ran < accum:
-                    scale *= ran / accum
-                    accum = ran
-            self._rt.scale = scale
-            self.gns.set_accum_scale(
-                loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
-            )
-        else:
-            sync = bool(self.require_backward_grad_sync)
-            accum = 1
-            self._rt.scale = 1.0
+        sync, accum = self._step_from_loader(loader)
         self.gns.count_micro_batch()
         self._rt.last_sync = sync
         if sync:
@@ -174,6 +154,37 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.gns.begin_accumulation()
         with self.no_sync():
             return super().forward(*args, **kwargs)
+
+    def _step_from_loader(self, loader: Any) -> tuple[bool, int]:
+        """Set this micro-batch's batch-size scale from the training loader; returns whether it
+        synchronises (ends an optimizer step) and the micro-batches of its step."""
+        if loader is None or not loader.training:
+            self._rt.scale = 1.0
+            return bool(self.require_backward_grad_sync), 1
+        sync = bool(loader.is_optim_step())
+        accum = max(int(loader.accumulation_steps), 1)
+        init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
+        self._rt.init_bsz = int(init_bsz)
+        scale = float(loader.current_batch_size) / float(init_bsz)
+        if sync and accum > 1:
+            # The last step of a pass may hold fewer micro-batches than planned: average
+            # (and scale the lr and the statistics) by the ones it actually ran.
+            ran = min(int(loader._accum_count) + 1, accum)
+            if ran < accum:
+                scale *= ran / accum
+                accum = ran
+        self._rt.scale = scale
+        self.gns.set_accum_scale(
+            loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
+        )
+        return sync, accum
+
+    def _refresh_step_scale(self) -> None:
+        """Before a step whose closure runs the forward pass (LBFGS): take the step's scale
+        from the loader now, as that forward will, instead of the previous forward's."""
+        loader = current_dataloader()
+        if loader is not None and loader.training:
+            self._step_from_loader(loader)
 
     def _stash_grads(self) -> None:
         for group in self._optimizer.param_groups:

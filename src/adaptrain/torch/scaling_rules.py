@@ -115,6 +115,12 @@ class ScalingRuleBase:
             raise ValueError("AdaptiveDataParallel instance is not set!")
         self._restore_lr(optimizer)  # only if the last step raised before its post hook
         self._in_step = False
+        if (len(args) > 1 and callable(args[1])) or callable(kwargs.get("closure")):
+            # The closure runs the step's forward after this hook: take the step's batch-size
+            # scale now (LBFGS reads the lr before calling it), not the previous forward's.
+            refresh = getattr(adp, "_refresh_step_scale", None)
+            if refresh is not None:
+                refresh()
         if not adp._begin_optimizer_step():
             return  # an accumulation micro-batch: the optimizer sees no gradient
         self._in_step = True
