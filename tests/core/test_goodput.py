@@ -230,8 +230,9 @@ def _reference_optimize(fn, nodes, replicas, max_batch, lo, hi, accumulation):
     return best
 
 
-@SETTINGS
-@given(
+#: Random optimize() problems: performance and gradient parameters, initial batch, placement,
+#: max batch (a multiple of the initial), local-batch bounds, accumulation.
+_PROBLEMS = dict(
     perf=st.tuples(*[st.floats(1e-3, 1.0)] * 6, st.floats(1.0, 10.0)),
     grad=st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)),
     init=st.integers(1, 64),
@@ -241,6 +242,10 @@ def _reference_optimize(fn, nodes, replicas, max_batch, lo, hi, accumulation):
     hi_extra=st.integers(0, 256),
     accumulation=st.booleans(),
 )
+
+
+@SETTINGS
+@given(**_PROBLEMS)
 def test_optimize_is_max_over_candidates(
     perf, grad, init, nodes_replicas, max_mult, lo, hi_extra, accumulation
 ):
@@ -328,17 +333,7 @@ def _rounded_total(init, replicas, max_atomic, accumulation, batch):
 
 
 @SETTINGS
-@given(
-    perf=st.tuples(*[st.floats(1e-3, 1.0)] * 6, st.floats(1.0, 10.0)),
-    grad=st.tuples(st.floats(0.0, 10.0), st.floats(0.0, 10.0)),
-    init=st.integers(1, 64),
-    nodes_replicas=st.integers(1, 16).flatmap(lambda r: st.tuples(st.integers(1, r), st.just(r))),
-    max_mult=st.floats(1.0, 40.0),
-    min_frac=st.floats(0.0, 1.0),
-    lo=st.integers(1, 16),
-    hi_extra=st.integers(0, 256),
-    accumulation=st.booleans(),
-)
+@given(**_PROBLEMS, min_frac=st.floats(0.0, 1.0))
 def test_optimize_min_batch_size_bounds_every_candidate(
     perf, grad, init, nodes_replicas, max_mult, min_frac, lo, hi_extra, accumulation
 ):
