@@ -45,17 +45,27 @@ def _get(*names: str) -> str | None:
     return None
 
 
-def _get_int(default: int, *names: str) -> int:
+def _get_int(
+    default: int, *names: str, bounds: tuple[int, int] | None = None, what: str = "allowed"
+) -> int:
+    """The first set variable of ``names`` as an integer (within ``bounds``, else a
+    ValueError saying it is not ``what``)."""
     value = _get(*names)
     if value is None:
         return default
+    name = next(n for n in names if os.environ.get(n))
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ValueError(
-            f"environment variable {next(n for n in names if os.environ.get(n))}={value!r} "
-            "is not an integer; unset it or give a whole number"
+            f"environment variable {name}={value!r} is not an integer; unset it or give a "
+            "whole number"
         ) from None
+    if bounds is not None and not bounds[0] <= number <= bounds[1]:
+        raise ValueError(
+            f"environment variable {name}={number} is not {what} ({bounds[0]}..{bounds[1]})"
+        )
+    return number
 
 
 def checkpoint_path() -> str | None:
@@ -162,11 +172,7 @@ def master_port() -> int:
         ValueError: a value outside 0..65535, naming the variable.
     """
     names = _rendezvous("ADAPTRAIN_MASTER_PORT", "MASTER_PORT")
-    port = _get_int(0, *names)
-    if not 0 <= port <= 65535:
-        name = next(n for n in names if os.environ.get(n))
-        raise ValueError(f"environment variable {name}={port} is not a port (0..65535)")
-    return port
+    return _get_int(0, *names, bounds=(0, 65535), what="a port")
 
 
 def launched_by_torchrun() -> bool:

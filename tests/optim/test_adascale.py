@@ -558,6 +558,15 @@ class _FailingBackward(torch.autograd.Function):
         raise RuntimeError("simulated out of memory")
 
 
+def _failing_backward(model):
+    """A backward pass that accumulates the last layer's gradients, then raises before the
+    first layer's (as an out-of-memory error would)."""
+    x, y = next(batches(50))
+    out = model[2](model[1](_FailingBackward.apply(model[0](x))))
+    with pytest.raises(RuntimeError, match="simulated"):
+        F.cross_entropy(out, y).backward()
+
+
 @pytest.mark.parametrize("zero_first", [True, False])
 def test_a_backward_pass_that_raises_is_forgotten(zero_first):
     # The last layer's gradients are accumulated, then the backward raises before the first
@@ -565,10 +574,7 @@ def test_a_backward_pass_that_raises_is_forgotten(zero_first):
     # usable, and a retried step equal a run that never failed.
     def before(s, model, opt):
         if s == 1:
-            x, y = next(batches(50))
-            out = model[2](model[1](_FailingBackward.apply(model[0](x))))
-            with pytest.raises(RuntimeError, match="simulated"):
-                F.cross_entropy(out, y).backward()
+            _failing_backward(model)
             if zero_first:
                 opt.state_dict()  # usable at once
 
@@ -585,10 +591,7 @@ def test_a_backward_pass_that_raises_then_a_backward_without_zeroing():
     model = make_model()
     opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
     train(model, opt, 2, 2)
-    x, y = next(batches(50))
-    with pytest.raises(RuntimeError, match="simulated"):
-        out = model[2](model[1](_FailingBackward.apply(model[0](x))))
-        F.cross_entropy(out, y).backward()
+    _failing_backward(model)
     data = batches(3)
     for _ in range(2):
         _backward(model, next(data))

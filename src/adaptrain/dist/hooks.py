@@ -110,23 +110,7 @@ def _write_back(bucket: Any, outs: list[torch.Tensor]) -> torch.Tensor:
     return buf
 
 
-class _ParamOrder:
-    """Maps a bucket's gradients to the model's parameter indices (when ``params`` is given)."""
-
-    def __init__(self, params: Any = None) -> None:
-        self.param_index = None if params is None else {id(p): i for i, p in enumerate(params)}
-
-    def _canonical(self, bucket: Any) -> tuple[list[torch.Tensor], list[int], list[int] | None]:
-        """The bucket's gradients in parameter-index order, that order, and the indices."""
-        grads = bucket.gradients()
-        if self.param_index is None:
-            return list(grads), list(range(len(grads))), None
-        ids = [self.param_index[id(p)] for p in bucket.parameters()]
-        order = sorted(range(len(grads)), key=lambda i: ids[i])
-        return [grads[i] for i in order], order, [ids[i] for i in order]
-
-
-class _SlotState(_ParamOrder):
+class _SlotState:
     """Compressor state kept per parameter ("slot"), so DDP's bucket rebuild loses nothing.
 
     DDP regroups its buckets after the first iteration (in gradient-ready order). State kept
@@ -141,10 +125,19 @@ class _SlotState(_ParamOrder):
     _slot_dicts: tuple[str, ...] = ("memories",)
 
     def __init__(self, params: Any = None) -> None:
-        super().__init__(params)
+        self.param_index = None if params is None else {id(p): i for i, p in enumerate(params)}
         self.memories: dict[str, torch.Tensor] = {}
         self.step = 0
         self._used: set[str] = set()  # within an iteration: the slots buckets used
+
+    def _canonical(self, bucket: Any) -> tuple[list[torch.Tensor], list[int], list[int] | None]:
+        """The bucket's gradients in parameter-index order, that order, and the indices."""
+        grads = bucket.gradients()
+        if self.param_index is None:
+            return list(grads), list(range(len(grads))), None
+        ids = [self.param_index[id(p)] for p in bucket.parameters()]
+        order = sorted(range(len(grads)), key=lambda i: ids[i])
+        return [grads[i] for i in order], order, [ids[i] for i in order]
 
     def _keys(self, bucket: Any, ids: list[int] | None, n: int) -> list[str]:
         if ids is None:

@@ -115,7 +115,7 @@ class ScalingRuleBase:
             raise ValueError("AdaptiveDataParallel instance is not set!")
         self._restore_lr(optimizer)  # only if the last step raised before its post hook
         self._in_step = False
-        if (len(args) > 1 and callable(args[1])) or callable(kwargs.get("closure")):
+        if _closure_of(args, kwargs) is not None:
             # The closure runs the step's forward after this hook: take the step's batch-size
             # scale now (LBFGS reads the lr before calling it), not the previous forward's.
             refresh = getattr(adp, "_refresh_step_scale", None)
@@ -144,11 +144,8 @@ class ScalingRuleBase:
     def _guard_closure(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
         """Wrap a closure passed to ``step`` so that its exception restores the ``lr`` values
         (torch runs no post-step hook after an exception). ``args[0]`` is the optimizer."""
-        if len(args) > 1 and callable(args[1]):
-            closure = args[1]
-        elif callable(kwargs.get("closure")):
-            closure = kwargs["closure"]
-        else:
+        closure = _closure_of(args, kwargs)
+        if closure is None:
             return None
 
         def guarded(*a: Any, **k: Any) -> Any:
@@ -227,6 +224,15 @@ class ScalingRuleBase:
     def _stats(self) -> tuple[float, float, float]:
         gns = self.adp.gns
         return gns.sqr_avg(), gns.var_avg(), gns.get_progress()
+
+
+def _closure_of(args: Any, kwargs: Any) -> Any:
+    """The closure passed to ``optimizer.step`` as seen by a step hook (``args[0]`` is the
+    optimizer), or None."""
+    if len(args) > 1 and callable(args[1]):
+        return args[1]
+    closure = kwargs.get("closure")
+    return closure if callable(closure) else None
 
 
 class AdaScale(ScalingRuleBase):
