@@ -63,6 +63,25 @@ def test_save_load_replay_roundtrip(monkeypatch, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001"]
 
 
+def test_a_name_too_long_for_a_file_name_round_trips(monkeypatch, tmp_path):
+    # "state-" + the quoted name would pass the 255-byte limit of a file name (ENAMETOOLONG
+    # at the first save, before): such a state's file is named by a digest of its name.
+    _ckpt(monkeypatch, tmp_path)
+    long_ascii, long_utf8 = "x" * 300, "é" * 60  # quoted: 300 bytes, 360 bytes
+    Blob(long_ascii, 1)
+    Blob(long_utf8, 2)
+    Blob("y" * 245, 3)  # 251 bytes as "state-" + name: fits, and with ".tmp" it would not
+    Blob("sha256-" + "0" * 64, 4)  # a short name that looks like a digest
+    assert checkpoint.save_all_states() is True
+    files = sorted(p.name for p in (tmp_path / "checkpoint-000000").iterdir())
+    assert max(len(f.encode()) for f in files) <= 255 - len(".tmp")
+    assert len(set(files)) == len(files) == 5  # 4 states and the manifest
+    checkpoint.reset()
+    states = [Blob(n) for n in (long_ascii, long_utf8, "y" * 245, "sha256-" + "0" * 64)]
+    assert all(checkpoint.load_state(s) for s in states)
+    assert [s.value for s in states] == [1, 2, 3, 4]
+
+
 def test_checkpointing_off_is_noop():
     s = Blob("x", 1)
     assert checkpoint.save_all_states() is False

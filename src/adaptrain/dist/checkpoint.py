@@ -10,7 +10,7 @@ On-disk layout under the checkpoint directory (``adaptrain.env.checkpoint_path()
 ``ADAPTRAIN_CHECKPOINT_PATH``; unset means checkpointing is off)::
 
     <root>/checkpoint-000004/MANIFEST.json   {"format": 1, "states": {name: {"file", "sha256", "size"}}}
-    <root>/checkpoint-000004/state-<quoted name>
+    <root>/checkpoint-000004/state-<quoted name>   (state-%sha256-<hex> if too long for a file)
     <root>/.tmp-checkpoint-000005-<pid>/     a checkpoint being written: never read
 
 Atomicity: rank 0 writes every file into a temporary directory, fsyncs them, writes the manifest
@@ -197,8 +197,18 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+#: Longest file name (in bytes) most filesystems take (NAME_MAX).
+_NAME_MAX = 255
+
+
 def _file_name(name: str) -> str:
-    return "state-" + urllib.parse.quote(name, safe="")
+    """``state-<quoted name>``, or ``state-%sha256-<digest of the name>`` when that would not
+    fit one file name with its ``.tmp`` suffix (the manifest maps names to files; a quoted
+    name never holds ``%`` before a non-hex letter, so the two forms cannot collide)."""
+    fname = "state-" + urllib.parse.quote(name, safe="")
+    if len(fname.encode()) + len(".tmp") > _NAME_MAX:
+        fname = "state-%sha256-" + hashlib.sha256(name.encode()).hexdigest()
+    return fname
 
 
 def checkpoint_root() -> str | None:
