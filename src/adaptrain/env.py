@@ -71,7 +71,8 @@ def _get_int(
 def checkpoint_path() -> str | None:
     """Directory for saving and loading checkpoints (``ADAPTRAIN_CHECKPOINT_PATH``), or None.
 
-    Checkpoint-restart is enabled only when this is set.
+    Checkpoint-restart is enabled only when this is set. Give every job its own directory: a
+    job restores the newest checkpoint found there and a save deletes the older ones.
     """
     return _get("ADAPTRAIN_CHECKPOINT_PATH")
 

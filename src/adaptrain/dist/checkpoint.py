@@ -20,6 +20,9 @@ crash at any moment leaves either the old or the new checkpoint, never a half-wr
 Every file's SHA-256 is checked on load; a mismatch, a bad manifest or a ``load`` that raises
 gives a :class:`RuntimeError` naming the file.
 
+One directory per job: checkpoints carry no job identity, so a job restores the newest
+``checkpoint-*`` in its directory whoever wrote it, and each save deletes the older ones.
+
 Speed (rescale latency): a State is serialised straight into its file through a writer that
 hashes what passes through (no in-memory copy, no second pass), the manifest is written once per
 checkpoint, and on restart the checksums are verified by a background thread started as soon as
