@@ -228,3 +228,42 @@ def test_a_live_writers_temporary_folder_is_left_alone(monkeypatch, tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+def _restore_choice(rank, ws, roots, early):
+    os.environ["ADAPTRAIN_CHECKPOINT_PATH"] = roots[rank]
+    import adaptrain.torch as adl
+
+    if early:  # a State loading before init_process_group chooses on its own
+        dckpt.restore_dir()
+    try:
+        adl.init_process_group("gloo")
+    except RuntimeError as exc:
+        return f"raised: {exc}"
+    return dckpt.restore_dir()
+
+
+def _two_roots(tmp_path: Path) -> list[str]:
+    """Rank 0's folder holds checkpoint 3; rank 1's a stale view of it, only checkpoint 1."""
+    roots = []
+    for name, seq in (("fresh", 3), ("stale", 1)):
+        ckpt = tmp_path / name / f"checkpoint-{seq:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "MANIFEST.json").write_text('{"format": 1, "states": {}}')
+        roots.append(str(tmp_path / name))
+    return roots
+
+
+def test_every_replica_restores_rank_0s_choice(tmp_path):
+    # A replica whose listing of a shared folder lags (NFS) restores rank 0's newest checkpoint
+    # instead of an older one: only rank 0 lists, in init_process_group.
+    roots = _two_roots(tmp_path)
+    out = spawn(_restore_choice, 2, args=(roots, False), init=False, timeout=120)
+    assert out == [str(tmp_path / "fresh" / "checkpoint-000003")] * 2
+
+
+def test_a_replica_that_chose_before_init_process_group_raises(tmp_path):
+    roots = _two_roots(tmp_path)
+    out = spawn(_restore_choice, 2, args=(roots, True), init=False, timeout=120)
+    assert out[0] == str(tmp_path / "fresh" / "checkpoint-000003")
+    assert out[1].startswith("raised: this replica restored from") and "checkpoint-000001" in out[1]

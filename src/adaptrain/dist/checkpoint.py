@@ -290,17 +290,47 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def restore_dir() -> str | None:
-    """The checkpoint directory this process restores from (chosen once, on first call), or None."""
-    global _loaded_from, _loaded_from_chosen
-    if not _loaded_from_chosen:
-        root = checkpoint_root()
-        _loaded_from = latest_checkpoint(root) if root is not None else None
-        _loaded_from_chosen = True
-        if _loaded_from is not None:
-            logger.info("restoring from checkpoint %s", _loaded_from)
-            _verify_in_background(_loaded_from)
+def restore_dir(*, agree: bool = False) -> str | None:
+    """The checkpoint directory this process restores from (chosen once, on first call), or None.
+
+    With ``agree`` (a collective: every replica calls it at the same point, as
+    :func:`adaptrain.torch.init_process_group` does) only rank 0 lists the checkpoint folder and
+    every replica adopts its choice. A replica whose view of a shared folder lags behind (NFS
+    caches directory listings) then restores the same checkpoint as rank 0, or fails loudly
+    reading it, instead of silently restoring an older one.
+
+    Raises:
+        RuntimeError: with ``agree``, this replica had already chosen another checkpoint (a
+            State loaded before ``init_process_group``).
+    """
+    if agree and collective.is_distributed():
+        chosen = _loaded_from_chosen
+        ours = _loaded_from if chosen or _rank() != 0 else _newest()
+        agreed = collective.broadcast(ours)
+        if not chosen:
+            _choose(agreed)
+        elif agreed != ours:
+            raise RuntimeError(
+                f"this replica restored from {ours!r} but rank 0 chose {agreed!r}: load States "
+                "only after adaptrain.torch.init_process_group, which makes every replica "
+                "restore rank 0's choice"
+            )
+    elif not _loaded_from_chosen:
+        _choose(_newest())
     return _loaded_from
+
+
+def _newest() -> str | None:
+    root = checkpoint_root()
+    return latest_checkpoint(root) if root is not None else None
+
+
+def _choose(path: str | None) -> None:
+    global _loaded_from, _loaded_from_chosen
+    _loaded_from, _loaded_from_chosen = path, True
+    if path is not None:
+        logger.info("restoring from checkpoint %s", path)
+        _verify_in_background(path)
 
 
 def load_state(state: State) -> bool:

@@ -77,8 +77,9 @@ def init_process_group(
     signals.install()
     atexit.unregister(_shutdown)
     atexit.register(_shutdown)
-    # Choose (and validate) the checkpoint to restore from now, before any State loads.
-    checkpoint.restore_dir()
+    # Choose (and validate) the checkpoint to restore from now, before any State loads: rank
+    # 0's choice, on every replica.
+    checkpoint.restore_dir(agree=True)
 
 
 def _shutdown() -> None:
