@@ -240,30 +240,48 @@ def _restore_choice(rank, ws, roots, early):
         adl.init_process_group("gloo")
     except RuntimeError as exc:
         return f"raised: {exc}"
-    return dckpt.restore_dir()
+    chosen = dckpt.restore_dir()
+    try:
+        checkpoint.load_state(Blob("anything"))
+    except RuntimeError as exc:
+        return chosen, f"raised: {exc}"
+    return chosen, "ok"  # read its manifest (no entry of that name: nothing to load)
 
 
-def _two_roots(tmp_path: Path) -> list[str]:
-    """Rank 0's folder holds checkpoint 3; rank 1's a stale view of it, only checkpoint 1."""
-    roots = []
-    for name, seq in (("fresh", 3), ("stale", 1)):
-        ckpt = tmp_path / name / f"checkpoint-{seq:06d}"
-        ckpt.mkdir(parents=True)
-        (ckpt / "MANIFEST.json").write_text('{"format": 1, "states": {}}')
-        roots.append(str(tmp_path / name))
-    return roots
+def _roots(tmp_path: Path, rank1: str) -> list[str]:
+    """Rank 0's folder holds checkpoint 3; rank 1's folder is either a stale view of it (only
+    checkpoint 1) or the same folder mounted elsewhere (a symlink)."""
+    fresh = tmp_path / "fresh" / "checkpoint-000003"
+    fresh.mkdir(parents=True)
+    (fresh / "MANIFEST.json").write_text('{"format": 1, "states": {}}')
+    other = tmp_path / "other"
+    if rank1 == "stale":
+        (other / "checkpoint-000001").mkdir(parents=True)
+        (other / "checkpoint-000001" / "MANIFEST.json").write_text('{"format": 1, "states": {}}')
+    else:
+        other.symlink_to(tmp_path / "fresh", target_is_directory=True)
+    return [str(tmp_path / "fresh"), str(other)]
 
 
 def test_every_replica_restores_rank_0s_choice(tmp_path):
-    # A replica whose listing of a shared folder lags (NFS) restores rank 0's newest checkpoint
-    # instead of an older one: only rank 0 lists, in init_process_group.
-    roots = _two_roots(tmp_path)
-    out = spawn(_restore_choice, 2, args=(roots, False), init=False, timeout=120)
-    assert out == [str(tmp_path / "fresh" / "checkpoint-000003")] * 2
+    # Only rank 0 lists the folder, in init_process_group; every replica takes its choice by
+    # name under its own root. A replica whose listing lags (NFS) fails loudly on the missing
+    # checkpoint instead of restoring checkpoint 1; one with another mount point restores it.
+    out = spawn(_restore_choice, 2, args=(_roots(tmp_path, "stale"), False), init=False)
+    assert out[0] == (str(tmp_path / "fresh" / "checkpoint-000003"), "ok")
+    assert out[1][0] == str(tmp_path / "other" / "checkpoint-000003")
+    assert out[1][1].startswith("raised: corrupt checkpoint") and "checkpoint-000003" in out[1][1]
+
+
+def test_every_replica_restores_rank_0s_choice_under_its_own_mount_point(tmp_path):
+    out = spawn(_restore_choice, 2, args=(_roots(tmp_path / "m", "mounted"), False), init=False)
+    assert out == [
+        (str(tmp_path / "m" / "fresh" / "checkpoint-000003"), "ok"),
+        (str(tmp_path / "m" / "other" / "checkpoint-000003"), "ok"),
+    ]
 
 
 def test_a_replica_that_chose_before_init_process_group_raises(tmp_path):
-    roots = _two_roots(tmp_path)
-    out = spawn(_restore_choice, 2, args=(roots, True), init=False, timeout=120)
-    assert out[0] == str(tmp_path / "fresh" / "checkpoint-000003")
+    out = spawn(_restore_choice, 2, args=(_roots(tmp_path, "stale"), True), init=False)
+    assert out[0] == (str(tmp_path / "fresh" / "checkpoint-000003"), "ok")
     assert out[1].startswith("raised: this replica restored from") and "checkpoint-000001" in out[1]

@@ -295,9 +295,11 @@ def restore_dir(*, agree: bool = False) -> str | None:
 
     With ``agree`` (a collective: every replica calls it at the same point, as
     :func:`adaptrain.torch.init_process_group` does) only rank 0 lists the checkpoint folder and
-    every replica adopts its choice. A replica whose view of a shared folder lags behind (NFS
-    caches directory listings) then restores the same checkpoint as rank 0, or fails loudly
-    reading it, instead of silently restoring an older one.
+    every replica adopts its choice, by name (``checkpoint-<seq>`` under its own
+    ``ADAPTRAIN_CHECKPOINT_PATH``, which may be mounted elsewhere). A replica whose view of a
+    shared folder lags behind (NFS caches directory listings) then restores the same
+    checkpoint as rank 0, or fails loudly reading it, instead of silently restoring an older
+    one.
 
     Raises:
         RuntimeError: with ``agree``, this replica had already chosen another checkpoint (a
@@ -306,12 +308,13 @@ def restore_dir(*, agree: bool = False) -> str | None:
     if agree and collective.is_distributed():
         chosen = _loaded_from_chosen
         ours = _loaded_from if chosen or _rank() != 0 else _newest()
-        agreed = collective.broadcast(ours)
+        name = collective.broadcast(None if ours is None else os.path.basename(ours))
+        root = checkpoint_root()
         if not chosen:
-            _choose(agreed)
-        elif agreed != ours:
+            _choose(None if name is None or root is None else os.path.join(root, name))
+        elif name != (None if ours is None else os.path.basename(ours)):
             raise RuntimeError(
-                f"this replica restored from {ours!r} but rank 0 chose {agreed!r}: load States "
+                f"this replica restored from {ours!r} but rank 0 chose {name!r}: load States "
                 "only after adaptrain.torch.init_process_group, which makes every replica "
                 "restore rank 0's choice"
             )
