@@ -308,11 +308,12 @@ def restore_dir(*, agree: bool = False) -> str | None:
     if agree and collective.is_distributed():
         chosen = _loaded_from_chosen
         ours = _loaded_from if chosen or _rank() != 0 else _newest()
-        name = collective.broadcast(None if ours is None else os.path.basename(ours))
+        mine = None if ours is None else os.path.basename(ours)
+        name = collective.broadcast(mine)
         root = checkpoint_root()
         if not chosen:
             _choose(None if name is None or root is None else os.path.join(root, name))
-        elif name != (None if ours is None else os.path.basename(ours)):
+        elif name != mine:
             raise RuntimeError(
                 f"this replica restored from {ours!r} but rank 0 chose {name!r}: load States "
                 "only after adaptrain.torch.init_process_group, which makes every replica "
