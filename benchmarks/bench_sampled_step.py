@@ -17,7 +17,7 @@ The figures are ``every`` minus ``never`` (what a sampled step costs) and each A
 ``ddp``, paired per round. Steps are a few milliseconds here and this host's two processes on two cores
 scatter by ~10% between chunks: read the medians over many rounds, not single chunks.
 
-    python benchmarks/bench_sampled_step.py [--rounds 40] [--steps 30] [--batch 16]
+    python benchmarks/bench_sampled_step.py [--rounds 120] [--steps 30] [--batch 16]
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _worker(rank: int, ws: int, batch: int, rounds: int, steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=120)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=16, help="samples per replica")
     args = ap.parse_args(argv)
