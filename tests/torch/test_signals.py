@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -209,14 +210,17 @@ _WORKERS_SCRIPT = textwrap.dedent(
 )
 
 
-def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path) -> None:
-    # Ctrl-C reaches every process of the terminal's foreground group, DataLoader workers
-    # included. Spawned workers (macOS's default; forkserver from Python 3.14) must not die of
-    # it before the main process has agreed on a stop and checkpointed.
+_SHIELDABLE = hasattr(signal, "sigwaitinfo") and os.path.isdir("/proc/self/task")
+
+
+def _run_and_signal_group(tmp_path: Path, context: str, signum: int) -> tuple[int, str]:
+    """Run the workers script in a session of its own; send ``signum`` to its whole process
+    group at step 3. Returns the exit code and the output; fails if a process of the group
+    outlives the job's main process by more than a few seconds."""
     script = tmp_path / "job.py"
     script.write_text(_WORKERS_SCRIPT)
     p = subprocess.Popen(
-        [sys.executable, str(script), "spawn"],
+        [sys.executable, str(script), context],
         env=_env(tmp_path),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -228,14 +232,83 @@ def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path)
         for line in p.stdout:
             out.append(line)
             if "training" in line:
-                os.killpg(p.pid, signal.SIGINT)
+                os.killpg(p.pid, signum)
                 break
         out.append(p.stdout.read())
         p.wait(timeout=90)
+        for _ in range(50):  # the workers leave with the main process
+            try:
+                os.killpg(p.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("loader workers outlived the job by 5 s")
     finally:
-        if p.poll() is None:
+        try:
             os.killpg(p.pid, signal.SIGKILL)
-    text = "".join(out)
-    assert p.returncode == 130, text[-3000:]
+        except ProcessLookupError:
+            pass
+    return p.returncode, "".join(out)
+
+
+@pytest.mark.skipif(not _SHIELDABLE, reason="needs sigwaitinfo and /proc (Linux)")
+def test_sigterm_to_the_process_group_with_forked_loader_workers(tmp_path: Path) -> None:
+    # Slurm's scancel (and its preemption) sends SIGTERM to every process of the job step,
+    # DataLoader workers included. Before, torch's worker handler let it kill them and the
+    # main process died on the lost workers before the replicas agreed to stop: exit 1, no
+    # checkpoint. Shielded forked workers serve on until the main process has checkpointed.
+    code, text = _run_and_signal_group(tmp_path, "fork", signal.SIGTERM)
+    assert code == 143, text[-3000:]
+    assert "finished" not in text and "killed by signal" not in text, text[-3000:]
+    assert (tmp_path / "checkpoint-000000").is_dir()
+
+
+def _shielded_child(queue) -> None:
+    queue.put(signals.shield_loader_worker())
+    time.sleep(60)
+
+
+@pytest.mark.skipif(not _SHIELDABLE, reason="needs sigwaitinfo and /proc (Linux)")
+def test_a_shielded_worker_ends_on_its_parents_sigterm_only() -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    with signals.loader_workers_starting():
+        child = ctx.Process(target=_shielded_child, args=(queue,), daemon=True)
+        child.start()
+    try:
+        assert queue.get(timeout=30) is True
+        # From another process (as a group signal from Slurm or a shell): ignored.
+        subprocess.run(["kill", "-TERM", str(child.pid)], check=True)
+        child.join(1.0)
+        assert child.is_alive()
+        # From the parent (the loader's shutdown, multiprocessing's at exit): ends it.
+        child.terminate()
+        child.join(10)
+        assert child.exitcode == 0
+    finally:
+        if child.is_alive():
+            child.kill()
+
+
+def test_the_shield_is_refused_off_the_main_thread() -> None:
+    import threading
+
+    result = []
+    t = threading.Thread(target=lambda: result.append(signals.shield_loader_worker()))
+    t.start()
+    t.join()
+    assert result == [False]
+    assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
+def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path) -> None:
+    # Ctrl-C reaches every process of the terminal's foreground group, DataLoader workers
+    # included. Spawned workers (macOS's default; forkserver from Python 3.14) must not die of
+    # it before the main process has agreed on a stop and checkpointed.
+    code, text = _run_and_signal_group(tmp_path, "spawn", signal.SIGINT)
+    assert code == 130, text[-3000:]
     assert "finished" not in text
     assert (tmp_path / "checkpoint-000000").is_dir()

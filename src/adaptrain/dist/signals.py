@@ -54,6 +54,7 @@ The fast path needs ``atexit._run_exitfuncs`` (CPython 3.8+); without it ``"fast
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import io
 import logging
@@ -62,6 +63,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -79,9 +81,11 @@ __all__ = [
     "graceful_exit",
     "install",
     "installed",
+    "loader_workers_starting",
     "poll_stop",
     "reset",
     "set_exit_mode",
+    "shield_loader_worker",
     "uninstall",
 ]
 
@@ -199,6 +203,99 @@ def poll_stop() -> int:
         _skip = steps - 1
     _since, _last_poll = 0, now
     return agreed
+
+
+_SIGWAITINFO = hasattr(signal, "sigwaitinfo")  # Linux and most Unixes; not macOS, Windows
+
+
+@contextlib.contextmanager
+def loader_workers_starting() -> Iterator[None]:
+    """Around the start of DataLoader worker processes: SIGTERM blocked in the calling thread.
+
+    A forked worker inherits the mask of the thread that forked it: it starts with SIGTERM
+    blocked, so no SIGTERM can reach torch's handler before :func:`shield_loader_worker` runs.
+    A signal that reaches this process meanwhile waits until the block is lifted (or another
+    thread takes it; Python runs its handler in the main thread either way). A no-op without
+    ``sigwaitinfo``. (``spawn`` and ``forkserver`` children start with no signal blocked.)
+    """
+    if not _SIGWAITINFO:
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        if signal.SIGTERM not in previous:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def shield_loader_worker(enable: bool = True) -> bool:
+    """In a DataLoader worker process: let SIGTERM end it only when its parent sends it.
+
+    A SIGTERM sent to the whole process group (Slurm's ``scancel`` and its preemption signal
+    every process of a job step; ``kill -TERM -- -PGID`` does the same) reaches the loader's
+    workers too. Torch's worker handler lets it kill them, and the main process then fails on
+    the lost workers ("DataLoader worker ... is killed by signal: Terminated") in the steps
+    before the replicas agree to stop: the job ends with no checkpoint. Shielded, the worker
+    keeps SIGTERM blocked and a daemon thread takes each one with ``sigwaitinfo``: one from the
+    parent (the loader's own shutdown, ``multiprocessing``'s at exit) ends the worker at once,
+    as torch's handler does; any other is ignored, and the worker serves on until the main
+    process, which got the same signal, has checkpointed and shuts it down. Once the parent
+    has died, any SIGTERM ends the worker (and torch's watchdog ends it within seconds anyway).
+
+    Call it from the worker's main thread (``worker_init_fn``; the ``AdaptiveDataLoader``'s
+    does), in a worker started inside :func:`loader_workers_starting`. The shield needs every
+    thread of the worker to block SIGTERM, and it checks (Linux's ``/proc``): a worker started
+    with ``spawn`` or ``forkserver`` already runs a thread that does not (started when it
+    imported torch, before any code of ours), which could take the signal, so there nothing is
+    changed and a group SIGTERM still kills the workers. ``enable=False`` undoes the block
+    instead (the worker's own SIGTERM handler, if it installed one, then works as usual).
+
+    Returns:
+        Whether the worker is shielded: True in a forked worker on Linux; False where
+        ``sigwaitinfo`` or ``/proc`` is missing (macOS, Windows), off the main thread, or with
+        a thread that does not block SIGTERM.
+    """
+    if not _SIGWAITINFO or threading.current_thread() is not threading.main_thread():
+        return False
+    if not enable:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return False
+    parent = os.getppid()
+    # Blocked before the thread starts: threads inherit the mask, and a SIGTERM delivered to
+    # a thread that does not block it runs torch's handler.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    if not _all_threads_block_sigterm():
+        # A thread started before the block (a spawned worker's BLAS threads, started when it
+        # imported torch) could take the signal: leave torch's handling as it was.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return False
+    threading.Thread(
+        target=_watch_sigterm, args=(parent,), name="adaptrain-worker-sigterm", daemon=True
+    ).start()
+    return True
+
+
+def _all_threads_block_sigterm() -> bool:
+    """Whether every thread of this process blocks SIGTERM (Linux's ``/proc``; else False)."""
+    bit = 1 << (signal.SIGTERM - 1)
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/status") as f:
+                blocked = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+            if not blocked & bit:
+                return False
+    except (OSError, StopIteration, ValueError):  # a thread that ended meanwhile, or no /proc
+        return False
+    return True
+
+
+def _watch_sigterm(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent or os.getppid() != parent:
+            os._exit(0)  # what torch's worker handler does with its parent's SIGTERM
+        logger.debug("loader worker: SIGTERM from pid %d ignored (parent %d)", info.si_pid, parent)
 
 
 def _forget_group() -> None:

@@ -711,16 +711,20 @@ class _WorkerInit:
     def __call__(self, worker_id: int) -> Any:
         # A Ctrl-C reaches the whole foreground process group: the main process checkpoints
         # and shuts the workers down, so they must not die of it first (workers started with
-        # spawn/forkserver have Python's default handler; forked ones inherit ours). SIGTERM
-        # keeps its default: multiprocessing ends daemonic workers with it at exit.
+        # spawn/forkserver have Python's default handler; forked ones inherit ours).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         seed = torch.initial_seed() + self.rank * (self.num_workers or 1)
         torch.manual_seed(seed)
         np.random.seed(seed % 2**32)
         random.seed(seed)
+        result = None
+        before = signal.getsignal(signal.SIGTERM)
         if self.worker_init_fn is not None:
-            return self.worker_init_fn(worker_id)
-        return None
+            result = self.worker_init_fn(worker_id)
+        # A SIGTERM to the whole process group (Slurm) likewise: only the parent's ends a
+        # worker. Not when the user's worker_init_fn installed a SIGTERM handler of its own.
+        signals.shield_loader_worker(signal.getsignal(signal.SIGTERM) is before)
+        return result
 
     def __repr__(self) -> str:
         return f"_WorkerInit({self.worker_init_fn!r}, rank={self.rank})"
@@ -844,9 +848,14 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                 self._plan_sampler.batches = locals_
                 if self.num_workers > 0:  # no fork while the solver's import holds its locks
                     _metrics.wait_for_solver_prefetch()
-                    if isinstance(self.worker_init_fn, _WorkerInit):
+                    shield = isinstance(self.worker_init_fn, _WorkerInit)
+                    if shield:
                         self.worker_init_fn.rank = rank  # for workers started from now on
-                it = super().__iter__()
+                    # SIGTERM blocked in the workers from their start; _WorkerInit shields them.
+                    with signals.loader_workers_starting() if shield else contextlib.nullcontext():
+                        it = super().__iter__()
+                else:
+                    it = super().__iter__()
                 for i, (mb, idx) in enumerate(zip(plan, locals_)):
                     helper._mb = mb
                     helper._mb_local = len(idx)
