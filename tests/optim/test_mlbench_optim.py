@@ -531,6 +531,59 @@ def test_fp16_matches_fp32_sgd_and_replays():
     assert torch.equal(opt.fp32_params.detach(), after)
 
 
+class _TwoHeads(torch.nn.Module):
+    """A shared layer and two heads; a step uses one head, the other gets no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)])
+
+    def forward(self, x, head):
+        return self.heads[head](torch.relu(self.body(x)))
+
+
+def _sgd_momentum_wd(ps):
+    return torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.01)
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [_sgd_momentum_wd, lambda ps: torch.optim.Adam(ps, lr=0.01, weight_decay=0.01)],
+    ids=["sgd-momentum-wd", "adam-wd"],
+)
+def test_fp16_leaves_a_parameter_without_gradient_as_torch_optim_does(make_opt):
+    # mlbench steps the flat master whole: an unused head decayed, and momentum kept moving
+    # it. Here it stays put, and its momentum waits for its next gradient, as with torch.optim
+    # on the fp32 parameters (the reference below). Head 1 is first used at step 3.
+    torch.manual_seed(0)
+    ref = _TwoHeads()
+    model = copy.deepcopy(ref).half()
+    ref.load_state_dict({k: v.half().float() for k, v in ref.state_dict().items()})
+    opt = FP16Optimizer(model, 1, average_world=True, init_scale=128)
+    opt.set_optimizer(make_opt([opt.fp32_params]))
+    ref_opt = make_opt(ref.parameters())
+    x = torch.randn(16, 8).half()
+    y = torch.randint(0, 3, (16,))
+    head1 = torch.cat([p.detach().reshape(-1) for p in ref.heads[1].parameters()])
+    start = sum(p.numel() for p in ref.body.parameters()) + 27  # head 1 after body and head 0
+    for step, head in enumerate([0, 0, 0, 1, 0, 1]):
+        opt.zero_grad()
+        opt.backward_loss(torch.nn.functional.cross_entropy(model(x, head).float(), y).half())
+        assert opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.cross_entropy(ref(x.float(), head), y).backward()
+        ref_opt.step()
+        if step < 3:  # head 1 untouched so far, master and fp16 copy alike
+            assert torch.equal(opt.fp32_params.detach()[start : start + 27], head1)
+            assert torch.equal(model.heads[1].weight.float().reshape(-1), head1[:24].half().float())
+    flat_ref = torch.cat([p.detach().reshape(-1) for p in ref.parameters()])
+    # Adam's step count is one for the whole flat master: head 1's bias correction starts at
+    # step 4, not 1 (documented), so only SGD matches torch.optim on head 1 too.
+    end = start + 27 if make_opt is _sgd_momentum_wd else start
+    assert_close(opt.fp32_params.detach()[:end], flat_ref[:end], rtol=2e-2, atol=2e-3)
+
+
 def test_fp16_min_scale_raises():
     model, opt, x, y = _fp16_setup(init_scale=2.0**30, scale_factor=2.0**10, min_scale=2.0**25)
     with pytest.raises(RuntimeError, match="minimum loss scale"):

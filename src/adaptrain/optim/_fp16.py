@@ -10,10 +10,12 @@ Per step, with loss scale ``S``::
              else: inner optimizer steps the fp32 master copy, copied back into the fp16 model;
                    after scale_window consecutive good steps S ← min(S · scale_factor, max_scale)
 
-As in mlbench, the master copy is one flat fp32 tensor and the inner optimizer steps it whole:
-a parameter that got no gradient takes part with a zero gradient, so weight decay and momentum
-still move it (the Centralized optimizers skip such parameters; per-parameter master weights
-would be needed here).
+As in mlbench, the master copy is one flat fp32 tensor and the inner optimizer steps it whole.
+A parameter that got no gradient on any worker is left as ``torch.optim`` leaves it (mlbench's
+flat step moved it by weight decay and momentum): its slice of the master weights, and of
+every optimizer state tensor shaped like them (momentum, Adam's moments), is put back after
+the step (zeroed where the step created the state). Scalar state shared by the whole flat
+tensor (Adam's step count) still advances.
 """
 
 from __future__ import annotations
@@ -222,11 +224,50 @@ class FP16Optimizer:
             logger.info("skipped step (overflow), new loss scale %s", self.loss_scaler.loss_scale)
             updated = False
         else:
+            frozen = self._without_grad()
+            kept = self._slices(frozen) if frozen else None
             self.optimizer.step(closure=closure)
+            if kept is not None:
+                self._put_back(frozen, kept)
             self.fp32_to_fp16_weights(self.fp16_model, self.fp32_params)
             updated = True
         call_tracker(tracker, "record_batch_opt_step")
         return updated
+
+    def _without_grad(self) -> list[tuple[int, int]]:
+        """``(start, end)`` in the flat master weights of each parameter with no gradient
+        (after the aggregation: no gradient on any worker, the same on every worker)."""
+        spans, off = [], 0
+        for p in self._fp16_params():
+            n = p.numel()
+            if p.grad is None:
+                spans.append((off, off + n))
+            off += n
+        return spans
+
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state tensors shaped like the flat master weights, by key."""
+        state = self.optimizer.state.get(self.fp32_params, {})
+        shape = self.fp32_params.shape
+        return {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == shape}
+
+    def _slices(self, spans: list[tuple[int, int]]) -> dict[str | None, list[torch.Tensor]]:
+        """Copies of the ``spans`` of the master weights (key None) and of the state tensors."""
+        tensors = {None: self.fp32_params.detach(), **self._state_tensors()}
+        return {k: [t[a:b].clone() for a, b in spans] for k, t in tensors.items()}
+
+    @torch.no_grad()
+    def _put_back(
+        self, spans: list[tuple[int, int]], kept: dict[str | None, list[torch.Tensor]]
+    ) -> None:
+        tensors = {None: self.fp32_params.detach(), **self._state_tensors()}
+        for key, t in tensors.items():
+            old = kept.get(key)
+            for i, (a, b) in enumerate(spans):
+                if old is None:  # created by this step: a parameter's state before its first
+                    t[a:b].zero_()
+                else:
+                    t[a:b].copy_(old[i])
 
     def zero_grad(self) -> None:
         """Reset the gradients of the master weights and of the fp16 model."""
