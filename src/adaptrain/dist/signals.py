@@ -246,10 +246,11 @@ def shield_loader_worker(enable: bool = True) -> bool:
     Call it from the worker's main thread (``worker_init_fn``; the ``AdaptiveDataLoader``'s
     does), in a worker started inside :func:`loader_workers_starting`. The shield needs every
     thread of the worker to block SIGTERM, and it checks (Linux's ``/proc``): a worker started
-    with ``spawn`` or ``forkserver`` already runs a thread that does not (started when it
-    imported torch, before any code of ours), which could take the signal, so there nothing is
-    changed and a group SIGTERM still kills the workers. ``enable=False`` undoes the block
-    instead (the worker's own SIGTERM handler, if it installed one, then works as usual).
+    with ``spawn`` or ``forkserver`` already runs a thread that does not (OpenBLAS's, started
+    when it imported numpy, before any code of ours), which could take the signal, so there
+    nothing is changed and a group SIGTERM still kills the workers. ``enable=False`` undoes
+    the block instead (the worker's own SIGTERM handler, if it installed one, then works as
+    usual).
 
     Returns:
         Whether the worker is shielded: True in a forked worker on Linux; False where
@@ -267,7 +268,7 @@ def shield_loader_worker(enable: bool = True) -> bool:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if not _all_threads_block_sigterm():
         # A thread started before the block (a spawned worker's BLAS threads, started when it
-        # imported torch) could take the signal: leave torch's handling as it was.
+        # imported numpy) could take the signal: leave torch's handling as it was.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         return False
     threading.Thread(
