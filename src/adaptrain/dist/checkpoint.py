@@ -434,7 +434,7 @@ def _writer_alive(entry: str) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's live process
-        return True
+        pass
     return True
 
 

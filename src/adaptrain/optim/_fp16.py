@@ -245,23 +245,25 @@ class FP16Optimizer:
             off += n
         return spans
 
-    def _state_tensors(self) -> dict[str, torch.Tensor]:
-        """The optimizer's state tensors shaped like the flat master weights, by key."""
+    def _flat_tensors(self) -> dict[str | None, torch.Tensor]:
+        """The flat master weights (key None) and the optimizer's state tensors shaped like
+        them (by their state key)."""
+        master = self.fp32_params.detach()
         state = self.optimizer.state.get(self.fp32_params, {})
-        shape = self.fp32_params.shape
-        return {k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == shape}
+        return {
+            None: master,
+            **{k: v for k, v in state.items() if torch.is_tensor(v) and v.shape == master.shape},
+        }
 
     def _slices(self, spans: list[tuple[int, int]]) -> dict[str | None, list[torch.Tensor]]:
-        """Copies of the ``spans`` of the master weights (key None) and of the state tensors."""
-        tensors = {None: self.fp32_params.detach(), **self._state_tensors()}
-        return {k: [t[a:b].clone() for a, b in spans] for k, t in tensors.items()}
+        """Copies of the ``spans`` of every tensor of :meth:`_flat_tensors`."""
+        return {k: [t[a:b].clone() for a, b in spans] for k, t in self._flat_tensors().items()}
 
     @torch.no_grad()
     def _put_back(
         self, spans: list[tuple[int, int]], kept: dict[str | None, list[torch.Tensor]]
     ) -> None:
-        tensors = {None: self.fp32_params.detach(), **self._state_tensors()}
-        for key, t in tensors.items():
+        for key, t in self._flat_tensors().items():
             old = kept.get(key)
             for i, (a, b) in enumerate(spans):
                 if old is None:  # created by this step: a parameter's state before its first
