@@ -253,12 +253,15 @@ def _run_and_signal_group(tmp_path: Path, context: str, signum: int) -> tuple[in
 
 
 @pytest.mark.skipif(not _SHIELDABLE, reason="needs sigwaitinfo and /proc (Linux)")
-def test_sigterm_to_the_process_group_with_forked_loader_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_sigterm_to_the_process_group_with_loader_workers(tmp_path: Path, context: str) -> None:
     # Slurm's scancel (and its preemption) sends SIGTERM to every process of the job step,
     # DataLoader workers included. Before, torch's worker handler let it kill them and the
     # main process died on the lost workers before the replicas agreed to stop: exit 1, no
-    # checkpoint. Shielded forked workers serve on until the main process has checkpointed.
-    code, text = _run_and_signal_group(tmp_path, "fork", signal.SIGTERM)
+    # checkpoint. Shielded workers serve on until the main process has checkpointed. (Spawned
+    # ones were not shielded at first: starting multiprocessing's resource tracker, on the
+    # first spawn, lifted the block they were to inherit.)
+    code, text = _run_and_signal_group(tmp_path, context, signal.SIGTERM)
     assert code == 143, text[-3000:]
     assert "finished" not in text and "killed by signal" not in text, text[-3000:]
     assert (tmp_path / "checkpoint-000000").is_dir()
@@ -312,3 +315,49 @@ def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path)
     assert code == 130, text[-3000:]
     assert "finished" not in text
     assert (tmp_path / "checkpoint-000000").is_dir()
+
+
+_FORKSERVER_SCRIPT = textwrap.dedent(
+    """
+    import multiprocessing, signal, sys
+    from multiprocessing import forkserver
+    from adaptrain.dist import signals
+
+    def blocked(pid):
+        with open(f"/proc/{pid}/status") as f:
+            mask = next(int(x.split()[1], 16) for x in f if x.startswith("SigBlk:"))
+        return bool(mask & (1 << (signal.SIGTERM - 1)))
+
+    if __name__ == "__main__":
+        ctx = multiprocessing.get_context(sys.argv[1])
+        with signals.loader_workers_starting(sys.argv[1]):
+            p = ctx.Process(target=signals.time.sleep, args=(60,), daemon=True)
+            p.start()
+        child = blocked(p.pid)
+        p.kill()
+        p.join(30)
+        server = forkserver._forkserver._forkserver_pid
+        print(child, None if server is None else blocked(server))
+    """
+)
+
+
+@pytest.mark.skipif(not _SHIELDABLE, reason="needs sigwaitinfo and /proc (Linux)")
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_workers_inherit_the_block_but_a_fork_server_does_not(tmp_path: Path, context: str) -> None:
+    # A spawned child inherits the block through exec (multiprocessing's resource tracker,
+    # started on first use, lifts it in the calling thread: it must be running before). A fork
+    # server started inside the block would hand it to every process it forks later, the
+    # user's own included (whose terminate() would then hang): it is started before it.
+    script = tmp_path / "fs.py"
+    script.write_text(_FORKSERVER_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), context],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    expected = {"spawn": "True None", "forkserver": "False False"}[context]
+    assert out.stdout.split("\n")[0] == expected

@@ -58,12 +58,14 @@ import contextlib
 import gc
 import io
 import logging
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import forkserver, resource_tracker
 from typing import Any
 
 import torch
@@ -209,18 +211,32 @@ _SIGWAITINFO = hasattr(signal, "sigwaitinfo")  # Linux and most Unixes; not macO
 
 
 @contextlib.contextmanager
-def loader_workers_starting() -> Iterator[None]:
+def loader_workers_starting(start_method: str | None = None) -> Iterator[None]:
     """Around the start of DataLoader worker processes: SIGTERM blocked in the calling thread.
 
-    A forked worker inherits the mask of the thread that forked it: it starts with SIGTERM
-    blocked, so no SIGTERM can reach torch's handler before :func:`shield_loader_worker` runs.
-    A signal that reaches this process meanwhile waits until the block is lifted (or another
-    thread takes it; Python runs its handler in the main thread either way). A no-op without
-    ``sigwaitinfo``. (``spawn`` and ``forkserver`` children start with no signal blocked.)
+    A worker inherits the signal mask of the thread that started it, through ``fork`` and
+    through ``spawn``'s ``exec`` alike: it starts with SIGTERM blocked, in its main thread and
+    in every thread that one starts (numpy's BLAS threads), so no SIGTERM can reach torch's
+    handler before :func:`shield_loader_worker` runs. A signal that reaches this process
+    meanwhile waits until the block is lifted (or another thread takes it; Python runs its
+    handler in the main thread either way). A no-op without ``sigwaitinfo``.
+
+    ``start_method`` is the workers' (``multiprocessing``'s default if None). For ``spawn`` and
+    ``forkserver`` the helper processes ``multiprocessing`` starts on first use are started
+    *before* the block: the resource tracker's start unblocks SIGINT and SIGTERM in the calling
+    thread when it is done (so a block set before it would be lost), and a fork server started
+    inside the block would hand it to every process it forks later, the user's own included.
+    Forkserver workers therefore start unblocked, and are not shielded.
     """
     if not _SIGWAITINFO:
         yield
         return
+    if start_method is None:
+        start_method = multiprocessing.get_start_method()
+    if start_method in ("spawn", "forkserver"):
+        resource_tracker.ensure_running()
+    if start_method == "forkserver":
+        forkserver.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
@@ -245,17 +261,16 @@ def shield_loader_worker(enable: bool = True) -> bool:
 
     Call it from the worker's main thread (``worker_init_fn``; the ``AdaptiveDataLoader``'s
     does), in a worker started inside :func:`loader_workers_starting`. The shield needs every
-    thread of the worker to block SIGTERM, and it checks (Linux's ``/proc``): a worker started
-    with ``spawn`` or ``forkserver`` already runs a thread that does not (OpenBLAS's, started
-    when it imported numpy, before any code of ours), which could take the signal, so there
-    nothing is changed and a group SIGTERM still kills the workers. ``enable=False`` undoes
-    the block instead (the worker's own SIGTERM handler, if it installed one, then works as
-    usual).
+    thread of the worker to block SIGTERM, and it checks (Linux's ``/proc``). A worker forked
+    by a fork server started before that block already runs a thread that does not (started
+    while it set up, before any code of ours), which could take the signal: there nothing is
+    changed and a group SIGTERM still kills the workers. ``enable=False`` undoes the block
+    instead (the worker's own SIGTERM handler, if it installed one, then works as usual).
 
     Returns:
-        Whether the worker is shielded: True in a forked worker on Linux; False where
-        ``sigwaitinfo`` or ``/proc`` is missing (macOS, Windows), off the main thread, or with
-        a thread that does not block SIGTERM.
+        Whether the worker is shielded: True in a ``fork`` or ``spawn`` worker on Linux; False
+        where ``sigwaitinfo`` or ``/proc`` is missing (macOS, Windows), off the main thread, or
+        with a thread that does not block SIGTERM (``forkserver`` workers).
     """
     if not _SIGWAITINFO or threading.current_thread() is not threading.main_thread():
         return False
@@ -267,8 +282,8 @@ def shield_loader_worker(enable: bool = True) -> bool:
     # a thread that does not block it runs torch's handler.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if not _all_threads_block_sigterm():
-        # A thread started before the block (a spawned worker's BLAS threads, started when it
-        # imported numpy) could take the signal: leave torch's handling as it was.
+        # A thread started before the block (in a forkserver's worker, while it set up) could
+        # take the signal: leave torch's handling as it was.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         return False
     threading.Thread(

@@ -846,14 +846,17 @@ class AdaptiveDataLoader(DataLoader, AdaptiveDataLoaderMixin):
                         idx = [order[mb.start + rank % mb.size]]
                     locals_.append(idx)
                 self._plan_sampler.batches = locals_
-                shield = False
+                starting = contextlib.nullcontext()
                 if self.num_workers > 0:  # no fork while the solver's import holds its locks
                     _metrics.wait_for_solver_prefetch()
-                    shield = isinstance(self.worker_init_fn, _WorkerInit)
-                    if shield:
+                    if isinstance(self.worker_init_fn, _WorkerInit):
                         self.worker_init_fn.rank = rank  # for workers started from now on
-                # SIGTERM blocked in the workers from their start; _WorkerInit shields them.
-                with signals.loader_workers_starting() if shield else contextlib.nullcontext():
+                        # SIGTERM blocked in the workers from their start; _WorkerInit
+                        # shields them.
+                        ctx = self.multiprocessing_context
+                        method = None if ctx is None else ctx.get_start_method()
+                        starting = signals.loader_workers_starting(method)
+                with starting:
                     it = super().__iter__()
                 for i, (mb, idx) in enumerate(zip(plan, locals_)):
                     helper._mb = mb
