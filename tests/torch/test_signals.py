@@ -319,9 +319,11 @@ def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path)
 
 _FORKSERVER_SCRIPT = textwrap.dedent(
     """
-    import multiprocessing, signal, sys
+    import logging, multiprocessing, signal, sys
     from multiprocessing import forkserver
     from adaptrain.dist import signals
+
+    logging.basicConfig(level=logging.WARNING)
 
     def blocked(pid):
         with open(f"/proc/{pid}/status") as f:
@@ -361,3 +363,5 @@ def test_workers_inherit_the_block_but_a_fork_server_does_not(tmp_path: Path, co
     assert out.returncode == 0, out.stderr[-3000:]
     expected = {"spawn": "True None", "forkserver": "False False"}[context]
     assert out.stdout.split("\n")[0] == expected
+    # Forkserver workers cannot be shielded: the user is told, and how to keep them.
+    assert ("multiprocessing_context='spawn'" in out.stderr) == (context == "forkserver")

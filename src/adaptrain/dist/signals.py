@@ -208,6 +208,7 @@ def poll_stop() -> int:
 
 
 _SIGWAITINFO = hasattr(signal, "sigwaitinfo")  # Linux and most Unixes; not macOS, Windows
+_forkserver_warned = False
 
 
 @contextlib.contextmanager
@@ -226,8 +227,10 @@ def loader_workers_starting(start_method: str | None = None) -> Iterator[None]:
     *before* the block: the resource tracker's start unblocks SIGINT and SIGTERM in the calling
     thread when it is done (so a block set before it would be lost), and a fork server started
     inside the block would hand it to every process it forks later, the user's own included.
-    Forkserver workers therefore start unblocked, and are not shielded.
+    Forkserver workers therefore start unblocked, and are not shielded: a warning says so,
+    once per process.
     """
+    global _forkserver_warned
     if not _SIGWAITINFO:
         yield
         return
@@ -237,6 +240,15 @@ def loader_workers_starting(start_method: str | None = None) -> Iterator[None]:
         resource_tracker.ensure_running()
     if start_method == "forkserver":
         forkserver.ensure_running()
+        if not _forkserver_warned:
+            _forkserver_warned = True
+            logger.warning(
+                "data loader workers started with 'forkserver' (Python 3.14's default on Linux) "
+                "cannot be shielded from a SIGTERM sent to the whole process group (Slurm's "
+                "scancel and preemption): it kills them, and the job then ends without a "
+                "checkpoint. Pass multiprocessing_context='spawn' or 'fork' to the loader to "
+                "keep them alive until the job has checkpointed."
+            )
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         yield
