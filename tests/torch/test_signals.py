@@ -319,7 +319,7 @@ def test_ctrl_c_to_the_process_group_with_spawned_loader_workers(tmp_path: Path)
 
 _FORKSERVER_SCRIPT = textwrap.dedent(
     """
-    import logging, multiprocessing, signal, sys
+    import logging, multiprocessing, signal, sys, time
     from multiprocessing import forkserver
     from adaptrain.dist import signals
 
@@ -333,7 +333,7 @@ _FORKSERVER_SCRIPT = textwrap.dedent(
     if __name__ == "__main__":
         ctx = multiprocessing.get_context(sys.argv[1])
         with signals.loader_workers_starting(sys.argv[1]):
-            p = ctx.Process(target=signals.time.sleep, args=(60,), daemon=True)
+            p = ctx.Process(target=time.sleep, args=(60,), daemon=True)
             p.start()
         child = blocked(p.pid)
         p.kill()
