@@ -206,3 +206,17 @@ def test_speedup_table_covers_clusters_above_256_gpus(real_data):
     fn = sim.jobs[0].speedup_fn()
     assert sim.jobs[0].perf_params is not None
     assert float(fn(80, 320)) > 0 and float(fn(70, 300)) > 0
+
+
+def test_optimus_step_time_model_packs_onto_the_cluster_s_node_size(real_data):
+    # Optimus predicts a step on r replicas packed onto full nodes: of the cluster's size,
+    # not always 4 GPUs (a cluster of 2-GPU nodes puts 4 replicas on two nodes).
+    apps = load_applications(os.path.join(real_data, "traces"), ["cifar10"])
+    w = [WorkloadJob("j", 0.0, "cifar10", 4, 512)]
+    job = Simulator(w, apps, OptimusPolicy(), num_nodes=8, gpus_per_node=2).jobs[0]
+    app = apps["cifar10"]
+    assert job.step_time_fn(2)(4) == pytest.approx(app.get_throughput((2, 2), 128)[0])
+    assert job.step_time_fn(4)(4) == pytest.approx(app.get_throughput((4,), 128)[0])
+    assert job.step_time_fn(2)(4) != pytest.approx(job.step_time_fn(4)(4))
+    with pytest.raises(ValueError, match="gpus_per_node=0"):
+        job.step_time_fn(0)

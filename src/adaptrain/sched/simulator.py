@@ -271,14 +271,17 @@ class SimJob:
             return 1.0
         return app.get_iteration(bsz, done) - app.get_iteration(bsz, self.epoch)
 
-    def step_time_fn(self) -> Callable[[int], float]:
-        """Seconds per step at the fixed batch size on ``r`` packed replicas (Optimus)."""
+    def step_time_fn(self, gpus_per_node: int = 4) -> Callable[[int], float]:
+        """Seconds per step at the fixed batch size on ``r`` replicas packed onto nodes of
+        ``gpus_per_node`` GPUs (Optimus's model)."""
         app, bsz = self.app, self.target_batch_size
+        if gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
 
         def fn(r: int) -> float:
             placement: tuple[int, ...] = ()
             while sum(placement) < r:
-                placement = (*placement, min(r - sum(placement), 4))
+                placement = (*placement, min(r - sum(placement), gpus_per_node))
             local = math.ceil(bsz / r - 1e-8)
             accum = math.ceil(local / app.max_local_bsz - 1e-8) - 1
             if r == 1:
@@ -438,7 +441,7 @@ class Simulator:
                 max_replicas=1
                 if job.app.name == "ncf"
                 else min(app["batch_max_replicas"], self.replica_cap(job.app)),
-                step_time_fn=job.step_time_fn(),
+                step_time_fn=job.step_time_fn(self.gpus_per_node),
                 remaining_steps=job.remaining_steps(),
             )
         limit = min(self.replica_cap(job.app), job.app.max_batch_size // job.app.min_local_bsz)
