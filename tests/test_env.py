@@ -108,3 +108,21 @@ def test_a_port_out_of_range_names_the_variable(monkeypatch, value):
     monkeypatch.setenv("ADAPTRAIN_MASTER_PORT", value)
     with pytest.raises(ValueError, match=f"ADAPTRAIN_MASTER_PORT={value} is not a port"):
         env.master_port()
+
+
+def test_num_nodes_under_torchrun_ignores_a_stray_adaptrain_num_replicas(monkeypatch):
+    # torchrun --nproc-per-node=2 on one node: its WORLD_SIZE wins over ADAPTRAIN_NUM_REPLICAS,
+    # and so does its node count, WORLD_SIZE // LOCAL_WORLD_SIZE.
+    monkeypatch.delenv("ADAPTRAIN_NUM_NODES", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for stray in (None, "2", "3"):
+        if stray is None:
+            monkeypatch.delenv("ADAPTRAIN_NUM_REPLICAS", raising=False)
+        else:
+            monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", stray)
+        assert (env.num_replicas(), env.num_nodes()) == (2, 1), stray
+    for name in TORCHRUN:  # outside torchrun ADAPTRAIN_NUM_REPLICAS wins, one per node
+        monkeypatch.delenv(name, raising=False)
+    assert (env.num_replicas(), env.num_nodes()) == (3, 3)

@@ -67,3 +67,21 @@ def test_spawn_reports_a_clean_exit_without_result_promptly():
     with pytest.raises(SpawnError, match=r"rank\(s\) \[1\] died with exit code\(s\) \[0\]"):
         spawn(_exit_quietly, 2, timeout=60, init=False)
     assert time.monotonic() - t0 < 30
+
+
+def _read_env(rank, world_size):
+    import os
+
+    return os.environ.get("ADAPTRAIN_TEST_SPAWN_ENV"), os.environ.get("ADAPTRAIN_TEST_EXTRA")
+
+
+def test_children_see_the_parent_environment_of_the_call(monkeypatch):
+    # The fork server started at an earlier call holds that call's environment; the children
+    # still see the parent's at this call, variables removed since included.
+    monkeypatch.setenv("ADAPTRAIN_TEST_SPAWN_ENV", "first")
+    assert spawn(_read_env, 1, timeout=60, init=False) == [("first", None)]
+    monkeypatch.setenv("ADAPTRAIN_TEST_SPAWN_ENV", "second")
+    extra = {"ADAPTRAIN_TEST_EXTRA": "x"}
+    assert spawn(_read_env, 1, timeout=60, init=False, env=extra) == [("second", "x")]
+    monkeypatch.delenv("ADAPTRAIN_TEST_SPAWN_ENV")
+    assert spawn(_read_env, 1, timeout=60, init=False) == [(None, None)]

@@ -123,14 +123,19 @@ def local_rank() -> int:
 def num_nodes() -> int:
     """Number of distinct nodes (``ADAPTRAIN_NUM_NODES``).
 
-    Without it, torchrun's ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is used when both are set, else
-    :func:`num_replicas` (one replica per node), as AdaptDL does.
+    Without it, torchrun's ``WORLD_SIZE // LOCAL_WORLD_SIZE`` is used when both are set (and,
+    outside torchrun, ``ADAPTRAIN_NUM_REPLICAS`` is not), else :func:`num_replicas` (one
+    replica per node), as AdaptDL does.
     """
     value = _get("ADAPTRAIN_NUM_NODES")
     if value is not None:
         return _get_int(1, "ADAPTRAIN_NUM_NODES")
     local_world = _get("LOCAL_WORLD_SIZE")
-    if local_world is not None and _get("ADAPTRAIN_NUM_REPLICAS") is None:
+    # Under torchrun its WORLD_SIZE wins over ADAPTRAIN_NUM_REPLICAS (num_replicas), so its
+    # node count does too.
+    if local_world is not None and (
+        launched_by_torchrun() or _get("ADAPTRAIN_NUM_REPLICAS") is None
+    ):
         lw = _get_int(1, "LOCAL_WORLD_SIZE")
         return max(1, num_replicas() // max(lw, 1))
     return num_replicas()

@@ -130,3 +130,63 @@ def test_initialize_with_adaptdl_arguments():
 
     res = spawn(_adaptdl_initialize, 2, args=(free_port(),), init=False, timeout=60)
     assert res == [(2, 3, 0), (2, 3, 0)]
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_rendezvous_url_brackets_an_ipv6_address():
+    from adaptrain.dist.collective import rendezvous_url
+
+    assert rendezvous_url(2, "::1", 29500) == "tcp://[::1]:29500"
+    assert rendezvous_url(2, "[fd00::1]", 29500) == "tcp://[fd00::1]:29500"
+    assert rendezvous_url(2, "node-3", 29500) == "tcp://node-3:29500"
+
+
+def test_init_on_an_ipv6_master_address():
+    import pytest
+
+    if not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback on this host")
+    res = spawn(
+        _init, 2, args=("torchrun", 0), init=False, timeout=60, env={"ADAPTRAIN_MASTER_ADDR": "::1"}
+    )
+    assert res == [(0, 2, [0, 1]), (1, 2, [0, 1])]
+
+
+def _late_peer(rank: int, world_size: int, timeout_s: float | None) -> tuple:
+    import datetime
+    import time
+
+    from adaptrain.dist.collective import group_timeout
+    from adaptrain.torch import init_process_group
+
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    init_process_group("gloo", timeout=timeout)
+    out = (group_timeout(), None)
+    if rank == 1:
+        time.sleep(8.0)  # alive, but late for the barrier
+        return out
+    t0 = time.monotonic()
+    try:
+        collective.barrier()
+    except Exception as exc:  # noqa: BLE001 - gloo's timeout error
+        return out[0], (type(exc).__name__, time.monotonic() - t0)
+    return out[0], ("returned", time.monotonic() - t0)
+
+
+def test_init_timeout_bounds_adaptrain_s_own_collectives():
+    import datetime
+
+    res = spawn(_late_peer, 2, args=(2.0,), init=False, timeout=60)
+    assert res[0][0] == res[1][0] == datetime.timedelta(seconds=2)
+    kind, waited = res[0][1]
+    assert kind != "returned" and waited < 6.0  # not the 8 s the peer took (nor 30 min)

@@ -18,6 +18,7 @@ All functions must be called in the same order on every replica.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import logging
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 __all__ = [
@@ -44,6 +46,7 @@ logger = logging.getLogger(__name__)
 _lock = threading.Lock()
 _group: Any = None
 _group_of: Any = None  # the default group our group was made for (detects re-initialisation)
+_timeout: Any = None  # the timeout given to adaptrain.torch.init_process_group, if any
 _executor: ThreadPoolExecutor | None = None
 
 
@@ -78,7 +81,10 @@ def rendezvous_url(
                 "init_method='tcp://host:port'"
             )
         port = free_port()
-    return f"tcp://{master_addr or env.master_addr()}:{port}"
+    addr = master_addr or env.master_addr()
+    if ":" in addr and not addr.startswith("["):
+        addr = f"[{addr}]"  # an IPv6 literal: torch's tcp:// parser needs the brackets
+    return f"tcp://{addr}:{port}"
 
 
 def initialize(
@@ -86,6 +92,7 @@ def initialize(
     master_port: int | None = None,
     replica_rank: int | None = None,
     num_replicas: int | None = None,
+    timeout: datetime.timedelta | None = None,
 ) -> None:
     """Create the gloo group and worker thread now (collective: call on every replica).
 
@@ -93,7 +100,8 @@ def initialize(
     AdaptDL's signature: without a ``torch.distributed`` default group and with several replicas
     (or any argument given), one is created first, gloo at ``tcp://master_addr:master_port``
     with rank ``replica_rank`` of ``num_replicas`` (each default from :mod:`adaptrain.env`).
-    Unlike AdaptDL, a second call is a no-op rather than an error.
+    Unlike AdaptDL, a second call is a no-op rather than an error. ``timeout`` bounds every
+    collective of adaptrain's own groups (default: the default group's timeout).
 
     Raises:
         ValueError: no rendezvous port for several replicas, or ``num_replicas`` disagreeing
@@ -101,13 +109,17 @@ def initialize(
     """
     from adaptrain import env
 
+    global _timeout
+    if timeout is not None:
+        _timeout = timeout
     given = (master_addr, master_port, replica_rank, num_replicas)
     if dist.is_available() and not dist.is_initialized():
         world = env.num_replicas() if num_replicas is None else int(num_replicas)
         if world > 1 or any(v is not None for v in given):
             url = rendezvous_url(world, master_addr, master_port)
             rank = env.replica_rank() if replica_rank is None else int(replica_rank)
-            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
+            kwargs = {} if timeout is None else {"timeout": timeout}
+            dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world, **kwargs)
     elif num_replicas is not None and dist.is_initialized():
         if int(num_replicas) != dist.get_world_size():
             raise ValueError(
@@ -118,6 +130,28 @@ def initialize(
         _ensure()
 
 
+def group_timeout() -> datetime.timedelta | None:
+    """The timeout for adaptrain's own gloo groups: the one given to
+    :func:`adaptrain.torch.init_process_group` (or :func:`initialize`), else the default
+    group's own, else None (torch's default). ``dist.new_group`` does not inherit it."""
+    if _timeout is not None:
+        return _timeout
+    world = dist.group.WORLD
+    devices = [torch.device("cpu"), *getattr(world, "_device_types", ())]
+    for device in devices:  # a default group created by the user (no public getter in torch)
+        try:
+            return world._get_backend(device).options._timeout
+        except Exception:  # noqa: BLE001, S112 - no such backend here, or another torch
+            continue
+    return None
+
+
+def new_gloo_group() -> Any:
+    """A gloo group of every replica with :func:`group_timeout` (collective)."""
+    timeout = group_timeout()
+    return dist.new_group(backend="gloo", **({} if timeout is None else {"timeout": timeout}))
+
+
 def _ensure() -> tuple[Any, ThreadPoolExecutor]:
     global _group, _group_of, _executor
     with _lock:
@@ -125,7 +159,7 @@ def _ensure() -> tuple[Any, ThreadPoolExecutor]:
         if _group is None or _group_of is not default:
             # A separate gloo group keeps our traffic off the user's default group (which may
             # be NCCL, where object collectives would need device tensors).
-            _group = dist.new_group(backend="gloo")
+            _group = new_gloo_group()
             _group_of = default
             if _executor is not None:
                 _executor.shutdown(wait=False)
@@ -135,7 +169,8 @@ def _ensure() -> tuple[Any, ThreadPoolExecutor]:
 
 def teardown() -> None:
     """Forget the group and stop the worker thread (before ``destroy_process_group``)."""
-    global _group, _group_of, _executor
+    global _group, _group_of, _executor, _timeout
+    _timeout = None
     with _lock:
         if _executor is not None:
             _executor.shutdown(wait=True)

@@ -340,7 +340,7 @@ def _stop_group() -> Any:
     global _group, _group_of
     default = dist.group.WORLD
     if _group is None or _group_of is not default:
-        _group = dist.new_group(backend="gloo")
+        _group = collective.new_gloo_group()
         _group_of = default
     return _group
 

@@ -58,6 +58,9 @@ def _child(
     pg_timeout: float,
     queue: Any,
 ) -> None:
+    # The parent's environment at the call (a fork server's children would otherwise see the
+    # one it had when the server started), with the caller's additions.
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         {
@@ -125,7 +128,8 @@ def spawn(
         world_size: number of processes (≥ 1).
         args: extra positional arguments (picklable).
         timeout: seconds before the whole group is killed and :class:`SpawnError` raised.
-        env: extra environment variables for the children.
+        env: environment variables for the children on top of the parent's environment at the
+            call (the children see that, not the one a fork server started with).
         init: whether to initialise a process group before calling ``fn``.
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (GPU).
         start_method: multiprocessing start method; ``forkserver`` imports torch once.
@@ -160,7 +164,7 @@ def spawn(
                 world_size,
                 port,
                 tuple(args),
-                dict(env or {}),
+                {**os.environ, **(env or {})},
                 init,
                 backend,
                 max(timeout, 1.0),

@@ -73,7 +73,7 @@ def init_process_group(
             backend, init_method=init_method, world_size=world_size, rank=rank, **kwargs
         )
         logger.info("torch.distributed initialized")
-    collective.initialize()
+    collective.initialize(timeout=timeout)
     signals.install()
     atexit.unregister(_shutdown)
     atexit.register(_shutdown)
