@@ -17,7 +17,10 @@ The figures are ``every`` minus ``never`` (what a sampled step costs) and each A
 ``ddp``, paired per round. Steps are a few milliseconds here and this host's two processes on two cores
 scatter by ~10% between chunks: read the medians over many rounds, not single chunks.
 
-    python benchmarks/bench_sampled_step.py [--rounds 120] [--steps 30] [--batch 16]
+``--deep L`` times a narrow MLP of ``L`` hidden layers instead (``2L + 2`` parameter tensors):
+what the per-step hooks cost on a model of many tensors.
+
+    python benchmarks/bench_sampled_step.py [--rounds 120] [--steps 30] [--batch 16] [--deep L]
 """
 
 from __future__ import annotations
@@ -31,7 +34,18 @@ from adaptrain.dist.spawn import spawn
 VARIANTS = ("ddp", "never", "every")
 
 
-def _worker(rank: int, ws: int, batch: int, rounds: int, steps: int) -> dict:
+def _deep_mlp(layers: int):
+    """A narrow MLP of many layers: 2 parameter tensors per layer, few parameters each."""
+    import torch
+
+    torch.manual_seed(0)
+    mods = [torch.nn.Flatten()]
+    for _ in range(layers):
+        mods += [torch.nn.Linear(64, 64), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods, torch.nn.Linear(64, 10))
+
+
+def _worker(rank: int, ws: int, batch: int, rounds: int, steps: int, deep: int) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -45,7 +59,7 @@ def _worker(rank: int, ws: int, batch: int, rounds: int, steps: int) -> dict:
     y = torch.tensor([int(train[i][1]) for i in idx])
     models = {}
     for name in VARIANTS:
-        m = DigitsNet(seed=0)
+        m = _deep_mlp(deep) if deep else DigitsNet(seed=0)
         opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
         if name == "ddp":
             models[name] = (torch.nn.parallel.DistributedDataParallel(m), opt)
@@ -79,13 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=120)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--batch", type=int, default=16, help="samples per replica")
+    ap.add_argument(
+        "--deep",
+        type=int,
+        default=0,
+        metavar="L",
+        help="time an MLP of L hidden 64x64 layers (2L+2 parameter tensors) instead of DigitsNet",
+    )
     args = ap.parse_args(argv)
-    if args.rounds < 3 or args.steps < 1:
-        ap.error("--rounds must be ≥ 3 (a median of paired rounds) and --steps ≥ 1")
-    ch = spawn(_worker, 2, args=(args.batch, args.rounds, args.steps), timeout=1200)[0]
+    if args.rounds < 3 or args.steps < 1 or args.deep < 0:
+        ap.error("--rounds must be ≥ 3 (a median of paired rounds), --steps ≥ 1, --deep ≥ 0")
+    ch = spawn(_worker, 2, args=(args.batch, args.rounds, args.steps, args.deep), timeout=1200)[0]
     base = statistics.median(ch["ddp"]) * 1e3
+    model = (
+        f"MLP of {args.deep} hidden layers ({2 * args.deep + 2} tensors)"
+        if args.deep
+        else "DigitsNet"
+    )
     print(
-        f"2 gloo processes, DigitsNet, batch {args.batch} per replica, {args.rounds} rounds x "
+        f"2 gloo processes, {model}, batch {args.batch} per replica, {args.rounds} rounds x "
         f"{args.steps} steps; DDP step {base:.2f} ms (median chunk)"
     )
     print("| variant | step − never (sampling cost) | step / DDP |")

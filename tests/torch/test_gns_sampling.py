@@ -120,7 +120,7 @@ def test_only_sampled_steps_carry_hooks_and_the_interval_grows():
     out = spawn(_schedule, 2, args=(300,), timeout=TIMEOUT)
     expected = _expected_sampled_steps(300, 4)
     for armed, timed, updates, interval in out:
-        assert armed[:64] == [6] * 64  # 6 parameters, hooked on every early step
+        assert armed[:64] == [1] * 64  # one hook, on the output, on every early step
         gaps = [i for i, a in enumerate(armed) if a]
         assert gaps == expected
         spacing = [b - a for a, b in zip(gaps, gaps[1:])]
@@ -164,3 +164,71 @@ def test_a_compression_hook_can_be_registered():
         for a, b in zip(ddp_params, adp_params):
             torch.testing.assert_close(b, a, rtol=0, atol=0)  # PowerSGD's update, bit for bit
         assert n == 5 and sqr > 0 and var >= 0
+
+
+class _Aux(torch.nn.Module):
+    """Returns ``(argmax, logits)`` (the first output needs no gradient) and keeps a penalty
+    as an attribute, a loss term that does not go through the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Parameter(torch.randn(17, 64) * 0.1)
+        self.body = _model()
+        self.penalty = None
+
+    def forward(self, x):
+        h = F.embedding(x[:, 0].long() % 17, self.emb) + x
+        logits = self.body(h)
+        self.penalty = self.body(h).pow(2).mean()  # a second pass, not the output
+        return logits.argmax(dim=1), logits
+
+
+def _hooks(rank, ws, mode, steps):
+    """Statistics of one ADP run. ``mode``: 'output' (the default: one hook on the output),
+    'params' (every parameter hooked), 'aux' (the loss skips the output: the first sampled
+    step is missed, then the parameters are hooked)."""
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    torch.set_num_threads(1)
+    X, y = _digits()
+    m = _Aux()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    adp = AdaptiveDataParallel(m, opt, max_stats_interval=1)
+    if mode == "params":
+        adp.gns._output_hook_ok = False
+    hooks = []
+    g = torch.Generator().manual_seed(7)
+    for _ in range(steps):
+        idx = torch.randint(0, len(y), (ws, 16), generator=g)[rank]
+        opt.zero_grad()
+        _, logits = adp(X[idx])
+        hooks.append(len(adp.gns._collector.handles))
+        loss = m.penalty if mode == "aux" else F.cross_entropy(logits, y[idx])
+        loss.backward()
+        opt.step()
+    adp.gns.flush()
+    params = [p.detach().clone() for p in m.parameters()]
+    return adp.gns.sqr_avg(), adp.gns.var_avg(), adp.gns.num_updates, hooks, params
+
+
+def test_one_hook_on_the_output_gives_the_per_parameter_statistics():
+    # The step's callback queued by a hook on the forward's output (1 hook) or by the
+    # parameters' hooks (7): the same statistics and weights, bit for bit.
+    by_output = spawn(_hooks, 2, args=("output", 6), timeout=TIMEOUT)
+    by_params = spawn(_hooks, 2, args=("params", 6), timeout=TIMEOUT)
+    for a, b in zip(by_output, by_params):
+        assert a[3] == [1] * 6 and b[3] == [7] * 6
+        assert a[2] == b[2] == 6 and a[1] > 0
+        assert (a[0], a[1]) == (b[0], b[1])
+        for p, q in zip(a[4], b[4]):
+            assert torch.equal(p, q)
+
+
+def test_a_loss_that_misses_the_output_falls_back_to_parameter_hooks():
+    # The penalty does not depend on the output: the first sampled step's callback never
+    # runs (one sample lost); from the next step on every parameter is hooked.
+    aux = spawn(_hooks, 2, args=("aux", 6), timeout=TIMEOUT)
+    for sqr, var, updates, hooks, _ in aux:
+        assert hooks == [1] + [7] * 5
+        assert updates == 5 and sqr > 0 and var > 0

@@ -10,7 +10,10 @@ average keeps at least ``samples_per_window`` samples within its memory. Every o
 plain DDP: no communication hook, no Python per bucket, DDP's C++ all-reduce. On a sampled
 step, and only there,
 
-* the first post-accumulate-grad hook of the backward pass queues an autograd-engine callback;
+* a hook on the forward's output (the first gradient of the backward pass) queues an
+  autograd-engine callback: one hook per step whatever the number of parameters (a
+  post-accumulate-grad hook on every parameter when the norms must be taken per parameter,
+  below, under gradient accumulation, or when the loss did not reach the output);
 * that callback runs at the end of the backward pass, before DDP's finalisation: DDP has not
   copied the averages back yet, so ``p.grad`` is still this replica's accumulated gradient; it
   takes the local norm² ``|g_i|²`` with one ``_foreach_norm`` (while the buckets' all-reduces
@@ -151,6 +154,7 @@ class _StepCollector:
         "snap",
         "dense_reduce",
         "index",
+        "watch",
     )
 
     def __init__(
@@ -183,9 +187,13 @@ class _StepCollector:
         # the summed local gradients, their all-reduce in flight, and 1/(accum² · loss scale²)
         self.dense_reduce: tuple[torch.Tensor, Any, torch.Tensor] | None = None
         self.index = {id(p): i for i, p in enumerate(params)}
+        # the step's callback is to be queued by a hook on the forward's output
+        # (``watch_output``): armed by ``begin_step``, "hooked" once the hook is in place
+        self.watch: str | None = None
 
     def reset(self) -> None:
         self.stats = self.snapshot = self.queued = False
+        self.watch = None
         self.accum = 1
         self.scaler = None
         self.local = []
@@ -300,6 +308,9 @@ class GradientNoiseScale:
         self._collector: _StepCollector | None = None
         self._pending: tuple | None = None  # last measured step, not folded yet
         self._avg_cache: tuple | None = None  # (sqr state, var state, (sqr, var)) of averages()
+        # begin_step(output_hook=True) may hook the forward's output instead of every parameter
+        # (False for a model with sparse gradients, or once a watched backward missed it)
+        self._output_hook_ok = True
 
     # ----- AdaptDL-compatible accessors -------------------------------------------------------
     @property
@@ -421,9 +432,21 @@ class GradientNoiseScale:
             )
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self._collector = _StepCollector(params, ddp, group, ws)
+        # DDP averages sparse gradients before the backward pass ends: their local norms can
+        # only be taken in their parameters' hooks. DDP's own rule for which parameters get
+        # sparse gradients (it supports no others):
+        self._output_hook_ok = not any(
+            bool(m.sparse)
+            for m in ddp.module.modules()
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+        )
 
     def begin_step(
-        self, accum_steps: int = 1, enabled: bool = True, scale: float | None = None
+        self,
+        accum_steps: int = 1,
+        enabled: bool = True,
+        scale: float | None = None,
+        output_hook: bool = False,
     ) -> None:
         """Prepare the synchronising backward pass of a new optimizer step.
 
@@ -433,11 +456,18 @@ class GradientNoiseScale:
             enabled: sample the statistics this step if the schedule asks for it.
             scale: total scale ``S = B/B0`` of this step, for the schedule (default: the last
                 step's).
+            output_hook: the caller passes this step's forward output to
+                :meth:`watch_output`, which may then hook it instead of every parameter.
         """
         c = self._collector
         if c is None:
             return
-        if c.handles or c.stats or c.snapshot or c.queued or c.accum > 1:
+        if c.watch == "hooked" and not c.queued:
+            # The last watched backward never reached the forward's output (a loss from
+            # elsewhere), or never ran: hook the parameters from now on.
+            self._output_hook_ok = False
+            logger.debug("GradientNoiseScale: the output was not hooked; hooking parameters")
+        if c.handles or c.stats or c.snapshot or c.queued or c.accum > 1 or c.watch:
             self._remove_hooks()  # the last step's state, or hooks whose backward never ran
         c.accum = max(int(accum_steps), 1)
         c.scale = scale
@@ -473,8 +503,34 @@ class GradientNoiseScale:
                     )
                 )
             )
+            if output_hook and not c.in_hooks and c.accum == 1 and self._output_hook_ok:
+                c.watch = "armed"  # one hook on the output, in watch_output
+                return
             hook = self._on_grad_norm if c.in_hooks else self._on_grad
             c.handles = [p.register_post_accumulate_grad_hook(hook) for p in c.params]
+
+    def watch_output(self, output: Any) -> None:
+        """After the forward pass of a step prepared by ``begin_step(output_hook=True)``: hook
+        the output's tensors that require a gradient (the first to receive one queues the
+        step's callback), or, if there are none, every parameter as usual."""
+        c = self._collector
+        if c is None or c.watch != "armed":
+            return
+        leaves = torch.utils._pytree.tree_leaves(output)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            c.watch = "hooked"
+            c.handles = [t.register_hook(self._on_output_grad) for t in tensors]
+        else:
+            c.watch = None
+            c.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in c.params]
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        """The backward pass reached the forward's output: arm the end-of-backward callback."""
+        c = self._collector
+        if not c.queued:
+            c.queued = True
+            _queue_callback(self._end_of_backward)
 
     def begin_accumulation(self) -> None:
         """A non-synchronising micro-batch follows: make sure no hook of a step left armed

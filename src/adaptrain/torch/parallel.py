@@ -149,8 +149,11 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self.gns.count_micro_batch()
         self._rt.last_sync = sync
         if sync:
-            self.gns.begin_step(accum_steps=accum, scale=self._rt.scale)
-            return super().forward(*args, **kwargs)
+            gns = self.gns
+            gns.begin_step(accum_steps=accum, scale=self._rt.scale, output_hook=True)
+            out = super().forward(*args, **kwargs)
+            gns.watch_output(out)
+            return out
         self.gns.begin_accumulation()
         with self.no_sync():
             return super().forward(*args, **kwargs)
