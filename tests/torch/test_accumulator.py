@@ -30,9 +30,17 @@ def test_operators_and_modes():
     assert len(acc) == 0 and "a" not in acc and list(acc) == [] and repr(acc) == "{}"
     with pytest.raises(TypeError, match="accumulation mode"):
         acc["a"] = 5
+    assert acc.get("a") is None and acc.get("a", 0) == 0
+    assert acc.pop("a", 0) == 0
+    with pytest.raises(KeyError):
+        acc.pop("a")
+    with pytest.raises(TypeError, match="synchronized"):
+        acc.setdefault("a", 0)
     with acc.synchronized():
         assert dict(acc) == {"base": 10, "a": 6, "b": -1.5, "c": 3, "d": 5}
         acc["ratio"] = acc["a"] / acc["d"]
+        assert acc.get("a") == 6 and acc.get("zz", -1) == -1
+        assert acc.setdefault("e", 1) == 1 and acc.pop("e") == 1 and acc.pop("e", 2) == 2
         del acc["base"]
         with acc.synchronized():  # re-entrant
             assert acc["ratio"] == 6 / 5

@@ -468,7 +468,7 @@ def test_short_last_step_of_a_pass_averages_the_micro_batches_it_ran():
         assert sizes == [16, 16, 8] and len(grads) == len(ref) == 2
         for a, b in zip(grads, ref):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-        assert scales == [1.0, 0.5]  # the short step ran half the planned samples' steps
+        assert scales == [1.0, 0.25]  # the short step holds 16 of the 64 planned samples
 
 
 # ----------------------------------------------------------------------------------------------
@@ -661,3 +661,48 @@ def test_evaluation_with_fewer_samples_than_replicas_does_not_hang():
     # DDP's first forward after a training step broadcasts the buffers (BatchNorm): a replica
     # left without an evaluation sample never calls it. Under no_grad ADP runs the module alone.
     assert spawn(_eval_with_fewer_samples_than_replicas, 2, timeout=60) == [[1, 2], [1, 2]]
+
+
+# ----------------------------------------------------------------------------------------------
+def _short_last_micro_batch(rank, ws, drop_last):
+    """130 digits at batch 64 on 2 replicas: each pass is two 64-sample steps and, without
+    ``drop_last``, a 2-sample step (one sample per replica). lr 0: the model stays fixed."""
+    from sklearn.datasets import load_digits
+
+    from adaptrain.torch.data import AdaptiveDataLoader
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = load_digits(return_X_y=True)
+    data = torch.utils.data.TensorDataset(
+        torch.tensor(X[:130] / 16.0, dtype=torch.float32), torch.tensor(y[:130])
+    )
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    adp = AdaptiveDataParallel(model, opt, max_stats_interval=1)
+    loader = AdaptiveDataLoader(data, batch_size=64, drop_last=drop_last)
+    sizes, scales, gains = [], [], []
+    for _ in range(6):
+        for xb, yb in loader:
+            opt.zero_grad()
+            F.cross_entropy(adp(xb), yb).backward()
+            opt.step()
+            sizes.append(len(yb))
+            scales.append(adp._step_scale())
+            gains.append(adp.gain)
+    adp.gns.flush()
+    return sizes, scales, gains, adp.gns.get_progress(), adp.gns.averages(), adp.gns.num_updates
+
+
+def test_a_short_last_step_is_scaled_by_its_samples_and_not_sampled():
+    # Before, the 2-sample step of each pass counted as a full 64-sample step: a full gain
+    # of progress and lr, and a variance sample ~30x too large at full weight.
+    full = spawn(_short_last_micro_batch, 2, args=(True,), timeout=TIMEOUT)[0]
+    short = spawn(_short_last_micro_batch, 2, args=(False,), timeout=TIMEOUT)[0]
+    sizes, scales, gains, progress, (sqr, var), updates = short
+    assert sizes == [32, 32, 1] * 6 and full[0] == [32, 32] * 6
+    assert scales == [1.0, 1.0, 2 / 64] * 6
+    assert all(g < 1.0 for g in gains[2::3]) and progress == pytest.approx(12 + sum(gains[2::3]))
+    assert updates == full[5] == 12  # the short steps are not sampled
+    assert var == pytest.approx(full[4][1], rel=0.1) and var > 0  # before: 3.4x
+    assert sqr == pytest.approx(full[4][0], rel=0.2)

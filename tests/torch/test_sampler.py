@@ -90,6 +90,21 @@ def test_plan_covers_exactly_once(end, start_frac, local_bsz, accum, n_replicas,
         assert steps == max_steps
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    end=st.integers(1, 300),
+    local_bsz=st.integers(1, 20),
+    accum=st.integers(1, 4),
+    n_replicas=st.integers(1, 5),
+)
+def test_plan_with_drop_last_holds_only_full_micro_batches(end, local_bsz, accum, n_replicas):
+    # drop_last promises fixed batch shapes: no remainder folded into the last full step.
+    g = local_bsz * n_replicas
+    plan = plan_pass(0, end, local_bsz, accum, n_replicas, drop_last=True)
+    assert all(mb.size == g for mb in plan)
+    assert len(plan) == (end // (g * accum)) * accum  # only the incomplete tail is dropped
+
+
 def test_plan_drop_last_and_bad_args():
     plan = plan_pass(0, 103, 10, 1, 1, drop_last=True)
     assert sum(mb.size for mb in plan) == 100

@@ -180,6 +180,32 @@ class Accumulator(MutableMapping):
             raise KeyError(key)
         del self._synchronized[key]
 
+    _NO_DEFAULT = object()
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        """``results.get`` when synchronized; ``default`` in accumulation mode (an empty dict)."""
+        if self._synchronized is None:
+            return default
+        return self._synchronized.get(key, default)
+
+    def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
+        """``results.pop`` when synchronized; in accumulation mode as on an empty dict."""
+        if self._synchronized is not None:
+            if default is Accumulator._NO_DEFAULT:
+                return self._synchronized.pop(key)
+            return self._synchronized.pop(key, default)
+        if default is Accumulator._NO_DEFAULT:
+            raise KeyError(key)
+        return default
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        """``results.setdefault`` when synchronized; in accumulation mode a write, refused."""
+        if self._synchronized is None:
+            raise TypeError(
+                f"acc.setdefault({key!r}, ...) writes: call it inside `with acc.synchronized():`"
+            )
+        return self._synchronized.setdefault(key, default)
+
     def __contains__(self, key: object) -> bool:
         return self._synchronized is not None and key in self._synchronized
 

@@ -153,7 +153,8 @@ def plan_pass(
     """Micro-batches covering ``[start, end)`` exactly once (see the module docstring).
 
     Each optimizer step has up to ``accum_steps`` micro-batches of ``local_bsz * num_replicas``
-    samples; a remainder smaller than ``num_replicas`` is folded into the micro-batch before it.
+    samples; a remainder smaller than ``num_replicas`` is folded into the micro-batch before it
+    (with ``drop_last``, dropped with the incomplete step: every micro-batch is full).
     Stops after ``max_steps`` optimizer steps if given.
     """
     if local_bsz < 1 or accum_steps < 1 or num_replicas < 1:
@@ -170,8 +171,8 @@ def plan_pass(
         for i in range(accum_steps):
             left = end - idx
             size = min(g, left)
-            if 0 < left - size < num_replicas:
-                size = left
+            if not drop_last and 0 < left - size < num_replicas:
+                size = left  # under drop_last the remainder goes with the incomplete step
             last = i == accum_steps - 1 or idx + size == end
             out.append(_MicroBatch(idx, size, i == 0, last))
             idx += size

@@ -150,7 +150,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         self._rt.last_sync = sync
         if sync:
             gns = self.gns
-            gns.begin_step(accum_steps=accum, scale=self._rt.scale, output_hook=True)
+            gns.begin_step(
+                accum_steps=accum, enabled=self._rt.full, scale=self._rt.scale, output_hook=True
+            )
             out = super().forward(*args, **kwargs)
             gns.watch_output(out)
             return out
@@ -161,22 +163,31 @@ class AdaptiveDataParallel(DistributedDataParallel):
     def _step_from_loader(self, loader: Any) -> tuple[bool, int]:
         """Set this micro-batch's batch-size scale from the training loader; returns whether it
         synchronises (ends an optimizer step) and the micro-batches of its step."""
+        rt = self._rt
+        rt.full = True
         if loader is None or not loader.training:
-            self._rt.scale = 1.0
+            rt.scale = 1.0
             return bool(self.require_backward_grad_sync), 1
         sync = bool(loader.is_optim_step())
         accum = max(int(loader.accumulation_steps), 1)
         init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
-        self._rt.init_bsz = int(init_bsz)
+        rt.init_bsz = int(init_bsz)
         scale = float(loader.current_batch_size) / float(init_bsz)
-        if sync and accum > 1:
-            # The last step of a pass may hold fewer micro-batches than planned: average
-            # (and scale the lr and the statistics) by the ones it actually ran.
-            ran = min(int(loader._accum_count) + 1, accum)
-            if ran < accum:
+        if sync:
+            # The last step of a pass may hold fewer micro-batches than planned, and its last
+            # micro-batch fewer samples (or up to R - 1 more): average by the micro-batches it
+            # ran, and scale the lr and the progress by the samples it holds. Its statistics
+            # are not sampled (the replicas' local batches differ in size).
+            ran = min(int(loader._accum_count) + 1, accum) if accum > 1 else 1
+            mb = loader._mb
+            planned = loader.current_local_bsz * self.gns._num_replicas
+            if mb is not None and mb.size != planned:
+                scale = ((ran - 1) * planned + mb.size) / float(init_bsz)
+                rt.full = False
+            elif ran < accum:
                 scale *= ran / accum
-                accum = ran
-        self._rt.scale = scale
+            accum = ran
+        rt.scale = scale
         self.gns.set_accum_scale(
             loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
         )
@@ -271,13 +282,14 @@ class AdaptiveDataParallel(DistributedDataParallel):
 class _StepState:
     """Per-step state of an AdaptiveDataParallel (not checkpointed)."""
 
-    __slots__ = ("last_sync", "stash", "scale", "init_bsz")
+    __slots__ = ("last_sync", "stash", "scale", "init_bsz", "full")
 
     def __init__(self) -> None:
         self.last_sync = True  # the last forward synchronises gradients (an optimizer step)
         self.stash: list[tuple[torch.Tensor, torch.Tensor]] = []  # set-aside accumulated grads
         self.scale = 1.0  # batch-size scale S = B/B0 of the current step
         self.init_bsz: int | None = None
+        self.full = True  # the step holds its planned samples (else its statistics are skipped)
 
 
 class _AdaptiveDataParallelState(_checkpoint.State):
