@@ -888,3 +888,167 @@ def test_gossip_mix_leaves_identical_replicas_unchanged():
     assert torch.equal(gossip_mix(x, [x.clone(), x.clone()]), x)
     assert torch.equal(gossip_mix(x, [x.clone() for _ in range(4)]), x)
     assert_close(gossip_mix(x, [x + 3, x - 6]), x - 1)
+
+
+def _powersgd_add_group_run(add: bool, reuse_query: bool):
+    """Two PowerSGD steps, then (``add``) a new group with ``extra``, then two more steps.
+
+    ``extra``'s loss term is separate, so the model's gradients are the same in both runs."""
+    x, y = _data()
+    model = _model()
+    extra = torch.nn.Parameter(torch.linspace(-1, 1, 12).reshape(3, 4))
+    opt = PowerSGD(model, lr=0.1, momentum=0.9, rank=1, reuse_query=reuse_query)
+    for s in range(4):
+        if s == 2 and add:
+            opt.add_param_group({"params": [extra], "lr": 0.05})
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(
+            model(x[s * 8 : (s + 1) * 8]), y[s * 8 : s * 8 + 8]
+        )
+        if add and s >= 2:
+            loss = loss + extra.pow(2).sum()
+        loss.backward()
+        opt.step()
+    old = list(model.parameters())
+    return opt, old, extra
+
+
+@pytest.mark.parametrize("reuse_query", [False, True])
+def test_powersgd_add_param_group_keeps_existing_state(reuse_query):
+    # add_param_group used to rebuild the state of every parameter: error memories wiped,
+    # queries redrawn and powersgd_step back to 0. The old parameters must go on exactly as
+    # in a run without the new group; the new one gets fresh state at the current step.
+    opt, old, extra = _powersgd_add_group_run(True, reuse_query)
+    ref_opt, ref_old, _ = _powersgd_add_group_run(False, reuse_query)
+    for p, q in zip(old, ref_old):
+        mem, ref_mem = opt.state[p]["powersgd_memory"], ref_opt.state[q]["powersgd_memory"]
+        assert_close(mem, ref_mem, rtol=0, atol=0)
+        assert_close(opt.state[p]["powersgd_q"], ref_opt.state[q]["powersgd_q"], rtol=0, atol=0)
+        assert_close(p.detach(), q.detach(), rtol=0, atol=0)
+        assert opt.state[p]["powersgd_step"] == 4
+    assert any(opt.state[p]["powersgd_memory"].any() for p in old)  # rank 1 left a residual
+    assert opt.state[extra]["powersgd_step"] == 4  # the counter did not restart
+    assert opt.state[extra]["powersgd_memory"].shape == extra.shape
+    assert not torch.equal(extra.detach(), torch.linspace(-1, 1, 12).reshape(3, 4))
+    sd = copy.deepcopy(opt.state_dict())  # the merged state round-trips
+    opt2 = PowerSGD(_model(), lr=0.1, momentum=0.9, rank=1, reuse_query=reuse_query)
+    opt2.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 4))], "lr": 0.05})
+    opt2.load_state_dict(sd)
+    assert opt2.state_dict()["state"].keys() == sd["state"].keys()
+
+
+def _powersgd_nograd_worker(rank, ws):
+    out = {}
+    for by_layer in (False, True):
+        m = _Branches()
+        # rank 2 = full rank for the 2 × 4 weights: the compression is exact
+        opt = PowerSGD(
+            m, lr=0.1, momentum=0.9, weight_decay=0.1, rank=2, world_size=ws, by_layer=by_layer
+        )
+        xs, ys = _branch_data(rank)
+        for s in range(STEPS):
+            opt.zero_grad()
+            _branch_loss(m, xs[s], ys[s], rank).backward()
+            opt.step()
+        c_untouched = all(
+            p.grad is None and "momentum_buffer" not in opt.state[p] for p in m.c.parameters()
+        )
+        b_live = all(p.grad is not None for p in m.b.parameters())
+        out[by_layer] = ([p.detach().clone() for p in m.parameters()], c_untouched, b_live)
+    return _np(out)
+
+
+def test_powersgd_skips_parameters_without_gradient_on_every_worker():
+    # c: no gradient anywhere → grad stays None, so weight decay and momentum leave it alone
+    # (as torch.optim.SGD does); b: a gradient on rank 0 only → zeros on rank 1, averaged.
+    init = [p.detach() for p in _Branches().c.parameters()]
+    runs = {2: _t(spawn(_powersgd_nograd_worker, 2, timeout=120))}
+    runs[1] = [_t(_powersgd_nograd_worker(0, 1))]  # no process group
+    for ws, res in runs.items():
+        ref = _branch_reference("sgd", ws)
+        for by_layer in (False, True):
+            for params, c_untouched, b_live in (r[by_layer] for r in res):
+                assert c_untouched and b_live, (ws, by_layer)
+                for a, b in zip(params[4:], init):
+                    assert torch.equal(a, b), (ws, by_layer)  # bit-exact
+                for a, b in zip(params, res[0][by_layer][0]):
+                    assert torch.equal(a, b), (ws, by_layer)  # replicas identical
+                for a, b in zip(params, ref):
+                    assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{ws} {by_layer}")
+
+
+class _SparseEmb(torch.nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 3, sparse=sparse)
+        self.out = torch.nn.Linear(3, 1)
+
+    def forward(self, idx):
+        return self.out(self.emb(idx)).squeeze(-1)
+
+
+SPARSE_KINDS = ("sgd", "sgd_by_layer", "adam")
+
+
+def _sparse_emb_opt(kind, m, ws):
+    if kind == "adam":  # torch's Adam rejects sparse gradients: it gets the dense mean
+        return CentralizedAdam(ws, m, lr=0.05, weight_decay=0.01)
+    return CentralizedSGD(
+        ws, m, lr=0.1, momentum=0.9, weight_decay=0.01, by_layer=kind == "sgd_by_layer"
+    )
+
+
+def _sparse_emb_data(rank):
+    g = torch.Generator().manual_seed(7 + rank)
+    idx = torch.randint(0, 5 + 5 * rank, (STEPS, 4), generator=g)  # rows 5-9: rank ≥ 1 only
+    return idx, torch.randn(STEPS, 4, generator=g)
+
+
+def _sparse_emb_worker(rank, ws):
+    out = {}
+    idx, y = _sparse_emb_data(rank)
+    for kind in SPARSE_KINDS:
+        m = _SparseEmb(sparse=True)
+        opt = _sparse_emb_opt(kind, m, ws)
+        for s in range(STEPS):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(idx[s]), y[s]).backward()
+            assert m.emb.weight.grad.is_sparse
+            opt.step()
+            assert m.emb.weight.grad.layout == torch.strided  # the dense mean, written back
+        out[kind] = [p.detach().clone() for p in m.parameters()]
+    return _np(out)
+
+
+def _sparse_emb_reference(kind, ws):
+    """One process, ``sparse=False``, the mean of the workers' losses, torch's optimizer."""
+    m = _SparseEmb(sparse=False)
+    if kind == "adam":
+        opt = torch.optim.Adam(m.parameters(), lr=0.05, weight_decay=0.01)
+    else:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    data = [_sparse_emb_data(r) for r in range(ws)]
+    for s in range(STEPS):
+        opt.zero_grad()
+        losses = [torch.nn.functional.mse_loss(m(i[s]), y[s]) for i, y in data]
+        (sum(losses) / ws).backward()
+        opt.step()
+    return [p.detach() for p in m.parameters()]
+
+
+def test_centralized_densifies_sparse_gradients():
+    # nn.Embedding(sparse=True) used to fail in the packed all-reduce ("reshape is not
+    # implemented for sparse tensors"); the gradients are now densified and averaged.
+    runs = {2: _t(spawn(_sparse_emb_worker, 2, timeout=120)), 1: [_t(_sparse_emb_worker(0, 1))]}
+    for ws, res in runs.items():
+        for kind in SPARSE_KINDS:
+            ref = _sparse_emb_reference(kind, ws)
+            for r in res:
+                for a, b in zip(r[kind], res[0][kind]):
+                    assert torch.equal(a, b), (ws, kind)  # replicas identical
+                for a, b in zip(r[kind], ref):
+                    assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{ws} {kind}")
+    agg = CentralizedSGD(1, _SparseEmb(True), lr=0.1).agg
+    with pytest.raises(ValueError, match="sparse"):  # reduce_ writes in place: dense only
+        agg.reduce_([torch.eye(3).to_sparse()])

@@ -15,7 +15,8 @@ overwrite the averaged gradients); a parameter without a gradient on *any* worke
 with a gradient on some worker takes part as zeros on the others; the parameters aggregated are
 the model's trainable ones plus every parameter of the wrapped optimizer's groups (including
 groups added later with ``add_param_group``); ``world_size=None`` means the process group's size;
-step and state-dict hooks registered on the wrapper fire.
+step and state-dict hooks registered on the wrapper fire; sparse gradients
+(``nn.Embedding(sparse=True)``) are densified before the all-reduce (mlbench failed on them).
 """
 
 from __future__ import annotations
@@ -158,9 +159,15 @@ class AllReduceAggregator:
     def reduce_(
         self, tensors: list[torch.Tensor], mode: str = AVG_WORLD, denom: Any = None
     ) -> None:
-        """Aggregate ``tensors`` in place."""
+        """Aggregate ``tensors`` (dense) in place."""
         if not tensors:
             return
+        for i, t in enumerate(tensors):
+            if t.layout != torch.strided:
+                raise ValueError(
+                    f"tensor {i} is sparse ({t.layout}): reduce_ aggregates dense tensors in "
+                    "place; pass t.to_dense() (grads_ densifies sparse gradients itself)"
+                )
         if self.by_layer:
             for t in tensors:
                 buf = t if self.device is None else t.to(self.device)
@@ -183,9 +190,15 @@ class AllReduceAggregator:
         flags travel in the packed buffer (one extra element per parameter, no extra
         collective); with ``by_layer`` they take one small all-reduce first, and parameters
         without a gradient anywhere are not sent at all. The same holds at world size 1.
+
+        Sparse gradients (``nn.Embedding(sparse=True)``) are densified first: ``p.grad``
+        becomes the dense average, which the wrapped optimizer then gets (at any world size).
         """
         if not params:
             return
+        for p in params:
+            if p.grad is not None and p.grad.layout != torch.strided:
+                p.grad = p.grad.to_dense()
         flags = torch.tensor([float(p.grad is not None) for p in params])
         if self.by_layer:
             if self.world_size > 1:
@@ -333,6 +346,12 @@ class GenericCentralizedOptimizer(_WrappedOptimizer):
     The parameters aggregated are the model's trainable parameters followed by every other
     parameter of the wrapped optimizer's groups (deduplicated, in that fixed order), so groups
     added with :meth:`add_param_group` stay identical on all workers.
+
+    With ``agg_grad=True``, sparse gradients (e.g. ``nn.Embedding(sparse=True)``) are densified
+    before the all-reduce: after :meth:`step`, ``p.grad`` is the dense average, and the wrapped
+    optimizer steps on it exactly as on the gradient of a ``sparse=False`` model (so
+    ``torch.optim.Adam`` works, and ``SparseAdam``, which takes sparse gradients only, cannot be
+    wrapped). The dense buffer is the full size of the parameter, as the all-reduce needs it.
 
     Args:
         world_size: number of workers (must match the process group; 1 without one); ``None``:

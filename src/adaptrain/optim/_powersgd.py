@@ -88,50 +88,93 @@ class PowerSGD(SGD):
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
 
-    def _compress(self, params: list[torch.nn.Parameter], first_index: int, comm) -> None:
-        grads = [p.grad for p in params]
+    def _state(
+        self, params: list[torch.nn.Parameter], indices: list[int], seed: int, scope
+    ) -> PowerSGDState:
+        """The :class:`PowerSGDState` of ``params`` from ``self.state``.
+
+        A parameter without PowerSGD state yet (a new group from :meth:`add_param_group`) gets
+        what :func:`powersgd_init` gives it (zero memory, the step-0 query of its index); the
+        others keep theirs. The step is the largest one stored for the parameters of ``scope``
+        (those that share the query generator), so the counter never goes back.
+        """
         sts = [self.state[p] for p in params]
-        if any("powersgd_memory" not in s for s in sts):
-            st = powersgd_init(
-                [g.shape for g in grads],
-                self.rank,
-                self.seed + first_index,
-                grads[0].dtype,
-                grads[0].device,
+        missing = [j for j, s in enumerate(sts) if "powersgd_memory" not in s]
+        fresh = {}
+        for j in missing:
+            g = params[j].grad
+            init = powersgd_init(
+                [g.shape], self.rank, seed, g.dtype, g.device, query_indices=[indices[j]]
             )
-        else:
-            st = PowerSGDState(
-                tuple(s["powersgd_memory"] for s in sts),
-                tuple(s["powersgd_q"] for s in sts),
-                int(sts[0]["powersgd_step"]),
-                self.seed + first_index,
-                self.rank,
-            )
+            fresh[j] = (init.memories[0], init.qs[0])
+        steps = [
+            int(self.state[p]["powersgd_step"]) for p in scope if "powersgd_step" in self.state[p]
+        ]
+        return PowerSGDState(
+            tuple(fresh[j][0] if j in fresh else s["powersgd_memory"] for j, s in enumerate(sts)),
+            tuple(fresh[j][1] if j in fresh else s["powersgd_q"] for j, s in enumerate(sts)),
+            max(steps, default=0),
+            seed,
+            self.rank,
+        )
+
+    def _compress(
+        self, params: list[torch.nn.Parameter], indices: list[int], seed: int, comm, scope
+    ) -> None:
+        """Compress and average the gradients of ``params`` (query indices ``indices``) and
+        write the result and the new state back; ``scope``: see :meth:`_state`."""
+        st = self._state(params, indices, seed, scope)
         res, st = powersgd_update(
-            grads, st, comm, reuse_query=self.reuse_query, error_feedback=self.error_feedback
+            [p.grad for p in params],
+            st,
+            comm,
+            reuse_query=self.reuse_query,
+            error_feedback=self.error_feedback,
+            query_indices=indices,
         )
         scale = 1.0 if self.average_world else float(comm.world_size)
-        for p, s, g, mem, q in zip(params, sts, res.grads, st.memories, st.qs):
+        for p, g, mem, q in zip(params, res.grads, st.memories, st.qs):
             p.grad.copy_(g.mul_(scale) if scale != 1.0 else g)
+            s = self.state[p]
             s["powersgd_memory"] = mem
             s["powersgd_q"] = q
             s["powersgd_step"] = st.step
         self.sent_bytes += res.sent_bytes
         self.dense_bytes += res.dense_bytes
 
+    def _has_grad_anywhere(self, params: list[torch.nn.Parameter], comm) -> list[bool]:
+        """Whether each parameter has a gradient on at least one worker (one small all-reduce
+        of a flag per parameter; the same answer on every worker)."""
+        local = [p.grad is not None for p in params]
+        if comm.world_size == 1:
+            return local
+        flags = torch.tensor(local, dtype=torch.float32, device=params[0].device)
+        self.sent_bytes += flags.numel() * flags.element_size()
+        return [bool(c > 0) for c in comm.all_reduce_mean(flags).tolist()]
+
     @torch.no_grad()
     def aggregate(self) -> None:
-        """Replace every gradient by the PowerSGD-compressed mean over the workers."""
+        """Replace every gradient by the PowerSGD-compressed mean over the workers.
+
+        A parameter with a gradient on some workers counts as zeros on the others. One with a
+        gradient on no worker keeps ``grad=None`` and is not compressed: SGD then skips it (no
+        weight decay or momentum), as ``torch.optim.SGD`` does, and its error memory, query
+        and step stay as they were. Queries are indexed by the parameter's position among all
+        trainable parameters, whichever take part.
+        """
         params = self._params()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
+        if not params:
+            return
         comm = default_communicator(self.process_group)
+        live = [i for i, ok in enumerate(self._has_grad_anywhere(params, comm)) if ok]
+        for i in live:
+            if params[i].grad is None:
+                params[i].grad = torch.zeros_like(params[i])
         if self.by_layer:
-            for i, p in enumerate(params):
-                self._compress([p], i, comm)
-        elif params:
-            self._compress(params, 0, comm)
+            for i in live:
+                self._compress([params[i]], [0], self.seed + i, comm, [params[i]])
+        elif live:
+            self._compress([params[i] for i in live], live, self.seed, comm, params)
 
     def step(self, closure=None, tracker=None):  # type: ignore[override]
         """Evaluate ``closure`` (if any), aggregate compressed gradients, then take an SGD step."""
