@@ -61,6 +61,8 @@ def _check_settings(args: argparse.Namespace) -> None:
             f"--restart-delay {args.restart_delay} must be a number of seconds >= 0 "
             "(0: free restarts)"
         )
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
     if not 0.0 <= args.interference < 1.0:
         raise ValueError(
             f"--interference {args.interference} must lie in [0, 1): the fraction of goodput "

@@ -60,8 +60,10 @@ class WeightedGeneticSearch(PolluxPolicy):
         self.last_fitness = -np.inf  # FITNESS of the allocation the last refine() returned
         self._weights = np.zeros(0)
 
-    def _setup(self, jobs: list[JobInfo], nodes: list[NodeInfo]) -> None:
-        super()._setup(jobs, nodes)  # capacities, bounds, restart factors
+    def _setup(
+        self, jobs: list[JobInfo], nodes: list[NodeInfo], base: np.ndarray | None = None
+    ) -> None:
+        super()._setup(jobs, nodes, base)  # capacities, bounds, restart factors, pinned jobs
         nmax, rmax = self._nmax, self._rmax
         n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
         valid = (n_grid >= 1) & (n_grid <= r_grid)
@@ -87,9 +89,10 @@ class WeightedGeneticSearch(PolluxPolicy):
             jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp, k)
         )
         node_keys = sorted(nodes)
-        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
+        base = self._matrix(base_allocations, job_keys, node_keys)
+        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys], base)
         self._weights = np.array([float(weights[k]) for k in job_keys])
-        return job_keys, node_keys, self._matrix(base_allocations, job_keys, node_keys)
+        return job_keys, node_keys, base
 
     def refine(
         self,
@@ -128,7 +131,8 @@ class WeightedGeneticSearch(PolluxPolicy):
             self.last_fitness = -seed_fit
             return {k: list(v) for k, v in seed_allocations.items()}
         self.last_fitness = -float(F[best, 0])
-        return self._allocations(pop[best], job_keys, node_keys)
+        out = self._allocations(pop[best], job_keys, node_keys)
+        return self._keep_pinned(out, job_keys, base_allocations)
 
     def fitness(
         self,

@@ -7,12 +7,14 @@ the power mean (p = -1) of the jobs' speedups
     FITNESS_p(A) = ( 1/J * sum_j (s_j(A_j) + 1e-3)^p )^(1/p),
 
 where ``s_j`` is job j's speedup over a fair share (one node, ``ceil(GPUs / J)`` replicas),
-scaled by the job's dominant share x number of nodes, and multiplied by the restart penalty
-``max(age - 30 * restarts, 0) / (age + 30)`` when ``A_j`` differs from the current allocation.
+scaled by the job's dominant share x number of nodes (nodes with GPUs), and multiplied by the
+restart penalty ``max(age - 30 * restarts, 0) / (age + 30)`` when ``A_j`` differs from the
+current allocation.
 As in the artifact, the search is two-objective (fitness and cluster utility) with NSGA-II
 survival, single-point crossover over jobs, three mutations (reset a job to its current
 allocation, zero some entries, increase some entries on nodes with free GPUs) and a repair step
-enforcing interference avoidance (at most one multi-node job per node), per-job maximum
+keeping every non-preemptible running job's allocation (``JobInfo.preemptible``) and enforcing
+interference avoidance (at most one multi-node job per node), per-job maximum
 replicas, node capacity (jobs with least attained service first) and minimum replicas. The
 final population warm-starts the next round. The returned allocation maximises the fitness.
 
@@ -135,15 +137,25 @@ class PolluxPolicy:
         self.rng.bit_generator.state = state["rng"]
 
     # ---- problem setup ----------------------------------------------------------------------
-    def _setup(self, jobs: list[JobInfo], nodes: list[NodeInfo]) -> None:
-        J, N = len(jobs), len(nodes)
+    def _setup(
+        self, jobs: list[JobInfo], nodes: list[NodeInfo], base: np.ndarray | None = None
+    ) -> None:
+        """Tables for ``jobs`` on ``nodes`` (at least one GPU in all). ``base`` (jobs x nodes)
+        is the current allocation: a non-preemptible job's non-empty row is pinned."""
+        J = len(jobs)
         self._cap = np.array([n.gpus for n in nodes], dtype=np.int64)
         total = int(self._cap.sum())
+        N = int(np.count_nonzero(self._cap > 0))  # a node without GPUs counts as no node
         self._share = 1.0 / total  # dominant share of one replica (one GPU)
         fair_replicas = math.ceil(1.0 / self._share / J)
-        fair_nodes = math.ceil(N * self._share)
+        fair_nodes = min(math.ceil(N * self._share), fair_replicas)
         self._max_rep = np.array([j.max_replicas for j in jobs], dtype=np.int64)
         self._min_rep = np.array([j.min_replicas for j in jobs], dtype=np.int64)
+        if base is None:
+            base = np.zeros((J, len(nodes)), dtype=np.int64)
+        preemptible = np.array([j.preemptible for j in jobs], dtype=bool)
+        self._pinned = ~preemptible & (base.sum(axis=1) > 0)  # (J,)
+        self._pinned_rows = base[self._pinned].copy()
         rmax = int(min(self._max_rep.max(initial=1), total))
         nmax = min(N, self.max_nodes_per_job, rmax)
         # Speedup tables S[j, n, r] (rebased to the fair share), 0 where n > r.
@@ -232,11 +244,18 @@ class PolluxPolicy:
     def _repair(self, states: np.ndarray) -> np.ndarray:
         rng = self.rng
         states = states.copy()
+        # non-preemptible running jobs keep their exact allocation, whatever the operators did;
+        # the other jobs yield to them (capacity first, nodes of a pinned multi-node job)
+        pinned, free = self._pinned, ~self._pinned
+        states[:, pinned] = self._pinned_rows[None]
         if self.interference_avoidance:
             distributed = np.count_nonzero(states, axis=2) > 1
             mask = (states > 0) & distributed[:, :, None]
-            mask = np.cumsum(mask, axis=1) > 1
-            states[mask] = 0
+            taken = mask[:, pinned].any(axis=1)  # (P, N): nodes of pinned multi-node jobs
+            mask &= free[None, :, None]
+            drop = (np.cumsum(mask, axis=1) > 1) | (mask & taken[:, None, :])
+            drop[:, pinned] = False
+            states[drop] = 0
         # Max replicas per job and max nodes per job, filling nodes in a random order.
         shuffle = np.argsort(rng.random(states.shape), axis=2)
         st = np.take_along_axis(states, shuffle, axis=2)
@@ -247,12 +266,26 @@ class PolluxPolicy:
         )
         st[keep == 0] = 0
         states = np.take_along_axis(st, np.argsort(shuffle, axis=2), axis=2)
-        # Node capacity: jobs earlier in priority order keep their replicas.
-        st = np.minimum(np.cumsum(states, axis=1), self._cap[None, None, :])
-        states = np.diff(st, axis=1, prepend=0)
-        below = states.sum(axis=2) < self._min_rep[None, :]
+        states[:, pinned] = self._pinned_rows[None]
+        # Node capacity: pinned jobs keep theirs, then jobs earlier in priority order.
+        left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)
+        st = np.minimum(np.cumsum(states[:, free], axis=1), left[None, None, :])
+        states[:, free] = np.diff(st, axis=1, prepend=0)
+        below = (states.sum(axis=2) < self._min_rep[None, :]) & free[None, :]
         states[below] = 0
         return states
+
+    def _keep_pinned(
+        self, out: Allocation, job_keys: list[str], base_allocations: Mapping[str, Sequence[int]]
+    ) -> Allocation:
+        """``out`` with each pinned job's allocation as given (its own order of nodes: a
+        reordered list would read as a restart)."""
+        for j in np.flatnonzero(self._pinned):
+            key = job_keys[j]
+            alloc = list(base_allocations.get(key, ()))
+            if sorted(alloc) == sorted(out.get(key, [])):
+                out[key] = alloc
+        return out
 
     @staticmethod
     def _dedupe(pop: np.ndarray, off: np.ndarray) -> np.ndarray:
@@ -287,7 +320,7 @@ class PolluxPolicy:
         )
         node_keys = sorted(nodes, key=lambda k: (nodes[k].preemptible, k))
         base = self._matrix(base_allocations, job_keys, node_keys)
-        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys])
+        self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys], base)
         if self._prev_states is None:
             pop = base[None].copy()
         else:
@@ -301,7 +334,8 @@ class PolluxPolicy:
         self._remember(pop, job_keys, node_keys)
         front = np.flatnonzero(nondominated_ranks(F) == 0)
         best = front[np.argmin(F[front, 0])]
-        return self._allocations(pop[best], job_keys, node_keys)
+        out = self._allocations(pop[best], job_keys, node_keys)
+        return self._keep_pinned(out, job_keys, base_allocations)
 
     def _remember(self, pop: np.ndarray, job_keys: list[str], node_keys: list[int]) -> None:
         """Keep the final population as the next round's warm start."""

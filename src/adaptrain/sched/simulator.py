@@ -21,7 +21,10 @@ the round length, the job's clock and its restart delay are whole (the standard 
 Limits: a job never gets more replicas than the cluster has GPUs nor more than its application's
 traces measure (64 in the artifact's traces: no throughput is known beyond). A fixed-size
 (Tiresias) job asking for more is capped at that size, with a warning, so that a comparison on a
-smaller cluster still runs every policy. Job names must be unique. :meth:`Simulator.run` raises
+smaller cluster still runs every policy. Nodes hold at most as many GPUs as the traces measure
+on one node (4 in the artifact's traces), and a fixed batch size (Tiresias, Optimus) lies in its
+application's range (at least its smallest local batch per replica for a fixed-size job): both
+are checked up front, with a ``ValueError``. Job names must be unique. :meth:`Simulator.run` raises
 :class:`SimulationStalled` when every job has been submitted but none has been allocated a GPU
 for ``stall_rounds`` rounds in a row (a policy that can never place the remaining jobs).
 """
@@ -365,6 +368,7 @@ class Simulator:
                 "multi-node job loses on shared nodes (1 would stop it)"
             )
         _check_unique_names([w.name for w in workload])
+        _check_gpus_per_node(gpus_per_node, workload, applications)
         self.policy = policy
         self.kind = job_kind_for_policy(getattr(policy, "name", ""))
         self.num_nodes = num_nodes
@@ -383,6 +387,11 @@ class Simulator:
                     f"job {w.name!r} uses application {w.application!r}; known: {sorted(applications)}"
                 )
             app = applications[w.application]
+            if not math.isfinite(w.time):
+                raise ValueError(
+                    f"job {w.name!r} has submission time={w.time}; it must be a finite number "
+                    "of seconds (the job would never be submitted)"
+                )
             kw: dict = {
                 "restart_delay": restart_delay,
                 "max_nodes": max(64, num_nodes),
@@ -397,8 +406,10 @@ class Simulator:
                 replicas = min(w.num_replicas, self.replica_cap(app))
                 if replicas < w.num_replicas:
                     capped.append(f"{w.name} ({w.num_replicas} -> {replicas})")
+                _check_batch_size(w, app, replicas)
                 kw.update(target_num_replicas=replicas, target_batch_size=w.batch_size)
             elif self.kind == "batch":
+                _check_batch_size(w, app, None)
                 kw.update(target_batch_size=w.batch_size)
             else:
                 kw.update(adaptive=True)
@@ -603,6 +614,43 @@ def _check_unique_names(names: Sequence[str]) -> None:
         raise ValueError(
             f"duplicate job names in the workload: {dups}; every job needs its own name "
             "(the simulator and the policies key jobs by name)"
+        )
+
+
+def _check_gpus_per_node(
+    gpus_per_node: int, workload: Sequence[WorkloadJob], applications: Mapping[str, Application]
+) -> None:
+    """Raise ``ValueError`` if a node holds more GPUs than the traces of the workload's
+    applications measure on one node (no step time is known for such a placement)."""
+    used = sorted({w.application for w in workload if w.application in applications})
+    if not used:
+        return
+    limit = min(applications[a].max_gpus_per_node for a in used)
+    if gpus_per_node > limit:
+        short = [a for a in used if applications[a].max_gpus_per_node == limit]
+        raise ValueError(
+            f"gpus_per_node={gpus_per_node} exceeds {limit}, the most GPUs per node that the "
+            f"traces of {short} measure (placements.csv): no step time is known for more "
+            f"replicas on one node; use gpus_per_node <= {limit} (and more nodes for a larger "
+            "cluster)"
+        )
+
+
+def _check_batch_size(w: WorkloadJob, app: Application, replicas: int | None) -> None:
+    """Raise ``ValueError`` unless a fixed batch size (Tiresias, Optimus) can be replayed:
+    between the application's initial and largest batch sizes (its validated range) and, on
+    a fixed number of ``replicas``, at least its smallest profiled local batch per replica."""
+    lo, hi = app.init_batch_size, app.max_batch_size
+    detail = f"between its initial ({lo}) and largest ({hi}) batch sizes"
+    if replicas is not None and replicas * app.min_local_bsz > lo:
+        lo = replicas * app.min_local_bsz
+        detail += f", and >= {app.min_local_bsz} per replica on its {replicas} replicas"
+    if not lo <= w.batch_size <= hi:
+        raise ValueError(
+            f"job {w.name!r} has batch_size={w.batch_size}, outside [{lo}, {hi}]: the fixed "
+            f"batch sizes application {app.name!r} can replay ({detail}); fix the workload's "
+            "batch_size column"
+            + (" or num_replicas" if replicas is not None and lo > app.init_batch_size else "")
         )
 
 

@@ -6,6 +6,8 @@ executed time x requested GPUs reaches ``queue_threshold`` (16 GPU-hours). Each 
 admitted in queue order (queue 0 first) whenever their fixed replica count (``max_replicas``)
 still fits in the cluster, skipping those that don't; admitted jobs keep their placement, new ones
 are packed onto the nodes with the most free GPUs. No starvation handling (as in the artifact).
+A non-preemptible job (``JobInfo.preemptible``) that runs keeps its allocation, ahead of both
+queues.
 """
 
 from __future__ import annotations
@@ -58,8 +60,16 @@ class TiresiasPolicy:
                     self._queue1.append(key)
         total = {k: int(n.gpus) for k, n in nodes.items()}
         free_total = sum(total.values())
+        pinned = {  # non-preemptible jobs keep the allocation they run on, whatever their queue
+            k for k, job in jobs.items() if not job.preemptible and base_allocations.get(k)
+        }
+        for key in pinned:
+            self._status[key] = "RUNNING"
+            free_total -= len(allocations[key])
         for queue in (self._queue0, self._queue1):
             for key in queue:
+                if key in pinned:
+                    continue
                 if jobs[key].max_replicas <= free_total:
                     self._status[key] = "RUNNING"
                     free_total -= jobs[key].max_replicas

@@ -95,8 +95,17 @@ class Application:
         self._pl_bsz = pl["local_bsz"]
         self._pl_step = pl["step_time"]
         self._pl_sync = pl["sync_time"]
-        self._pl_nodes = np.array([len(str(p)) for p in self._pl_id])
-        self._pl_reps = np.array([sum(map(int, str(p))) for p in self._pl_id])
+        # a placement id's digits are its replicas per node ("22": 2 nodes x 2 GPUs); it is
+        # looked up by that tuple, never by a number built from a placement's counts, which
+        # would make 11 replicas on one node read as "11" (2 nodes x 1 GPU)
+        keys = [tuple(int(c) for c in str(p)) for p in self._pl_id]
+        rows: dict[tuple[int, ...], list[int]] = {}
+        for i, key in enumerate(keys):
+            rows.setdefault(key, []).append(i)
+        self._pl_rows = {k: np.array(v, dtype=np.int64) for k, v in rows.items()}
+        self._pl_nodes = np.array([len(k) for k in keys])
+        self._pl_reps = np.array([sum(k) for k in keys])
+        self._pl_max_per_node = max((max(k) for k in keys), default=0)
         self._scal = _read_csv(os.path.join(trace_dir, "scalability.csv"))
         self.init_batch_size = int(init_batch_size or min(self.validation))
         self.max_batch_size = int(max_batch_size or max(self.validation))
@@ -104,11 +113,14 @@ class Application:
         self.max_local_bsz = int(max_local_bsz or self._pl_bsz.max())
         if self.max_batch_size < self.min_local_bsz:
             raise ValueError(f"{self.name}: max_batch_size < min_local_bsz")
-        self.max_epochs = int(
-            max_epochs or min(len(v["progress"]) for v in self.validation.values())
-        )
         # Per-epoch arrays stacked over validated batch sizes: (num_bsz, num_epochs).
         n = min(len(v["progress"]) for v in self.validation.values())
+        if max_epochs is not None and not 1 <= max_epochs <= n:
+            raise ValueError(
+                f"{self.name}: max_epochs={max_epochs} must lie in [1, {n}]: the validation "
+                f"files in {trace_dir!r} hold {n} epochs (pass max_epochs <= {n}, or None for all)"
+            )
+        self.max_epochs = int(n if max_epochs is None else max_epochs)
         stack = {
             k: np.stack([v[k][:n] for v in self.validation.values()])
             for k in ("progress", "iteration", "metric", "grad_sqr", "grad_var")
@@ -170,9 +182,8 @@ class Application:
         if hit is not None:
             return hit
         rot = min(placement[i:] + placement[:i] for i in range(len(placement)))
-        pid = int("".join(map(str, rot)))
-        mask = self._pl_id == pid
-        if mask.any():
+        mask = self._pl_rows.get(rot)
+        if mask is not None:
             bsz = self._pl_bsz[mask]
             order = np.argsort(bsz, kind="stable")
             bsz = bsz[order]
@@ -211,6 +222,12 @@ class Application:
                 ys.append([sc["step_time"][i], sc["sync_time"][i]])
             self._nd_interp = LinearNDInterpolator(np.array(xs), np.array(ys))
         return self._nd_interp
+
+    @property
+    def max_gpus_per_node(self) -> int:
+        """The most replicas on one node in ``placements.csv``: no throughput is known for a
+        node holding more (``scalability.csv`` spreads its replicas over many nodes)."""
+        return int(self._pl_max_per_node)
 
     @property
     def max_measured_replicas(self) -> int:
@@ -267,24 +284,45 @@ class WorkloadJob:
 
 
 def load_workload(path: str) -> list[WorkloadJob]:
-    """Read ``workload-N.csv`` (columns name,time,application,num_replicas,batch_size)."""
+    """Read ``workload-N.csv`` (columns name,time,application,num_replicas,batch_size).
+
+    Every row is checked: it has one field per column, ``time`` is a finite number of seconds
+    >= 0 (the job's submission time), ``num_replicas`` and ``batch_size`` are integers; a
+    ``ValueError`` names the file, the row and the problem otherwise.
+    """
     if not os.path.isfile(path):
         raise ValueError(f"workload file {path!r} does not exist")
+    need = ("name", "time", "application", "num_replicas", "batch_size")
+    jobs = []
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    need = {"name", "time", "application", "num_replicas", "batch_size"}
-    if rows and not need <= set(rows[0]):
-        raise ValueError(f"workload {path!r} lacks columns {sorted(need - set(rows[0]))}")
-    jobs = [
-        WorkloadJob(
-            r["name"],
-            float(r["time"]),
-            r["application"],
-            int(r["num_replicas"]),
-            int(r["batch_size"]),
-        )
-        for r in rows
-    ]
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            return []
+        missing = [c for c in need if c not in header]
+        if missing:
+            raise ValueError(f"workload {path!r} lacks columns {sorted(missing)}")
+        num = 0
+        for row in reader:
+            if not row:
+                continue
+            num += 1
+            where = f"workload {path!r}, row {num} (line {reader.line_num})"
+            if len(row) != len(header):
+                raise ValueError(
+                    f"{where} has {len(row)} fields, expected {len(header)} "
+                    f"({','.join(header)}): fix or remove the row"
+                )
+            r = dict(zip(header, row))
+            jobs.append(
+                WorkloadJob(
+                    r["name"],
+                    _submission_time(r["time"], where),
+                    r["application"],
+                    _integer(r["num_replicas"], "num_replicas", where),
+                    _integer(r["batch_size"], "batch_size", where),
+                )
+            )
     counts = collections.Counter(j.name for j in jobs)
     dups = sorted(name for name, count in counts.items() if count > 1)
     if dups:
@@ -293,6 +331,28 @@ def load_workload(path: str) -> list[WorkloadJob]:
             "(the simulator keys jobs by name)"
         )
     return jobs
+
+
+def _submission_time(text: str, where: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"{where}: time {text!r} is not a number (the submission time in seconds)"
+        ) from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(
+            f"{where}: time={text.strip()} must be a finite number of seconds >= 0 (the job's "
+            "submission time from the start of the trace)"
+        )
+    return value
+
+
+def _integer(text: str, column: str, where: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{where}: {column} {text!r} is not an integer") from None
 
 
 def default_traces_dir() -> str | None:

@@ -21,7 +21,9 @@ Solved by a warm-started local search: start from the current replica counts (no
 anyone), admit waiting jobs with one GPU each (from free GPUs, or from the job that loses least),
 hand free GPUs out in chunks of up to two nodes to the largest weighted gain per GPU (chunks
 step over the dips of non-concave speedup curves), then move chunks from the job losing least to
-the job gaining most while that pays. Unchanged jobs keep their nodes; placement packs multi-node
+the job gaining most while that pays. A non-preemptible running job (``JobInfo.preemptible``)
+keeps its allocation: the search sizes the other jobs on the GPUs left, and the genetic
+refinement below pins it too. Unchanged jobs keep their nodes; placement packs multi-node
 jobs on the emptiest nodes, at most one multi-node job per node (interference avoidance), and
 best-fits single-node jobs. Cost: a few thousand Python operations per round (milliseconds for
 160 jobs on 64 GPUs).
@@ -307,16 +309,26 @@ class WaterfillPolicy:
         }
         current = {k: min(len(base_allocations.get(k, [])), len(curves[k]) - 1) for k in keys}
         need = {k: max(1, jobs[k].min_replicas) for k in keys}
+        # non-preemptible running jobs keep their allocation: the search sizes the others on
+        # the GPUs left, placement puts them first (the genetic refinement pins them too)
+        pinned = {}
+        for k in keys:
+            alloc = [n for n in base_allocations.get(k, []) if n in nodes]
+            if not jobs[k].preemptible and alloc:
+                pinned[k] = alloc
+        movable = [k for k in keys if k not in pinned]
+        left = total - sum(len(a) for a in pinned.values())
         if self.ramp_credit is not None:  # credit the steps to the caps (in both searches)
-            ramped = self._ramp(jobs, keys, weight, curves, current, total, rel_cost, need)
+            ramped = self._ramp(jobs, movable, weight, curves, current, left, rel_cost, need)
             jobs = {**jobs, **ramped}
             for k in ramped:
                 curves[k] = self._utility(self._curve(jobs[k], len(curves[k]) - 1))
-        target = self._local_search(keys, weight, curves, current, total, rel_cost, need)
-        for k in keys:  # honour minimum replicas: below it a job gets nothing
+        target = self._local_search(movable, weight, curves, current, left, rel_cost, need)
+        for k in movable:  # honour minimum replicas: below it a job gets nothing
             if target[k] < jobs[k].min_replicas:
                 target[k] = 0
-        placed = self._place(keys, target, nodes, base_allocations, need)
+        target.update({k: len(a) for k, a in pinned.items()})
+        placed = self._place(keys, target, nodes, base_allocations, need, pinned)
         if not self._runs:
             return placed
         # independent searches (own seeds and warm-start populations): keep the fittest answer;
@@ -334,7 +346,7 @@ class WaterfillPolicy:
         """Start from the current sizes; admit waiting jobs, fill free GPUs, then move GPUs
         between jobs while the weighted utility gain beats the loss plus restart costs."""
         g = self.gpus_per_node
-        target = dict(current)
+        target = {k: current[k] for k in keys}
         free = total - sum(target.values())
         penalty = {k: weight[k] * abs(curves[k][current[k]]) * rel_cost[k] for k in keys}
 
@@ -400,15 +412,25 @@ class WaterfillPolicy:
             target[k_up] += d
         return target
 
-    def _place(self, keys, target, nodes, base_allocations, need) -> Allocation:
+    def _place(self, keys, target, nodes, base_allocations, need, pinned=None) -> Allocation:
         """Nodes for the chosen sizes; a job that does not fit gets the largest size that
-        does, but never less than its minimum (then nothing)."""
+        does, but never less than its minimum (then nothing). ``pinned`` jobs (``{key: nodes}``,
+        non-preemptible) keep their nodes, placed first."""
         g = self.gpus_per_node
         cap = {n: int(info.gpus) for n, info in nodes.items()}
         free = dict(cap)
         multi_owner: dict[int, bool] = {n: False for n in nodes}
         out: Allocation = {}
+        for k, alloc in (pinned or {}).items():
+            counts = {n: alloc.count(n) for n in set(alloc)}
+            for n, c in counts.items():
+                free[n] -= c
+                if len(counts) > 1:
+                    multi_owner[n] = True
+            out[k] = list(alloc)
         for k in keys:  # keep placements whose size is unchanged
+            if k in out:
+                continue
             alloc = list(base_allocations.get(k, []))
             if alloc and len(alloc) == target[k] and all(n in free for n in alloc):
                 counts = {n: alloc.count(n) for n in set(alloc)}
