@@ -344,4 +344,6 @@ class _AdaptiveDataParallelState(_checkpoint.State):
         torch.save(self.state_dict(), fileobj)
 
     def load(self, fileobj: Any) -> None:
-        self.load_state_dict(torch.load(fileobj, weights_only=True))
+        # On the CPU first: a checkpoint written by a GPU job must load where there is no GPU
+        # (or another one); the model, optimizer and scaler move it to their own devices.
+        self.load_state_dict(torch.load(fileobj, weights_only=True, map_location="cpu"))
