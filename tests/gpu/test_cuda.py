@@ -167,7 +167,7 @@ def _grad_scaler(rank, ws, backend, autocast):
 def test_grad_scaler_on_cuda_unscales_the_statistics_and_skips_overflow(backend, ws, autocast):
     # fp32: a power-of-two loss scale is exact, so the statistics match bit for bit; under
     # autocast the forward runs in fp16 and they match to fp16's precision.
-    tol = {"rtol": 3e-2, "atol": 1e-4} if autocast else {"rtol": 1e-12, "atol": 0}
+    tol = {"rtol": 3e-2, "atol": 1e-4} if autocast else {"rtol": 0, "atol": 0}
     for res in spawn(_grad_scaler, ws, args=(backend, autocast), backend=backend, timeout=TIMEOUT):
         plain, _ = res[False]
         scaled, final_scale = res[True]
@@ -433,12 +433,30 @@ def test_mlbench_optimizers_on_cuda(backend, ws):
 
 # ----------------------------------------------------------------------------------------------
 def _collectives(rank, ws):
-    from adaptrain import collective
+    import torch.distributed as dist
 
-    got = collective.allreduce({"rank": rank}, lambda a, b: {"rank": a["rank"] + b["rank"]})
-    return got, collective.broadcast(("hello", rank))
+    from adaptrain.dist import collective
+
+    # One process: the public calls short-cut a single replica, so drive the side group they
+    # use with several replicas directly (created under an NCCL default group).
+    group, _ = collective._ensure()
+    add = lambda a, b: {k: a[k] + b[k] for k in a}  # noqa: E731
+    value = {"n": 3, "t": torch.arange(3.0, device="cuda")}  # a CUDA tensor inside the object
+    total = collective._reduce(value, add, group)
+    bcast = collective._broadcast(("hello", rank), group)
+    return (
+        dist.get_backend(),
+        dist.get_backend(group),
+        total["n"],
+        str(total["t"].device),
+        total["t"].tolist(),
+        bcast,
+    )
 
 
-def test_python_object_collectives_under_nccl():
-    ((total, bcast),) = spawn(_collectives, 1, backend="nccl", timeout=TIMEOUT)
-    assert total == {"rank": 0} and bcast == ("hello", 0)
+def test_python_object_collectives_run_on_a_gloo_side_group_under_nccl():
+    ((default, side, n, device, t, bcast),) = spawn(
+        _collectives, 1, backend="nccl", timeout=TIMEOUT
+    )
+    assert (default, side) == ("nccl", "gloo")
+    assert n == 3 and device == "cuda:0" and t == [0.0, 1.0, 2.0] and bcast == ("hello", 0)
