@@ -399,6 +399,43 @@ def test_optimize_with_a_non_integer_initial_batch(init):
     ).optimize(1, 3, 128, None, True)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(max_batch_size=1e9),  # no upper bound on the micro-batch: it defaults to 1e9
+        dict(max_batch_size=512, atomic_bsz_range=(1, 10**9)),  # "unbounded" micro-batch
+        dict(max_batch_size=2**40),
+    ],
+)
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_optimize_accumulation_never_gives_negative_steps(kwargs, replicas):
+    # accum = ceil(local / max_atomic - 1e-8) - 1 was -1 when local < 1e-8 · max_atomic: a
+    # total of 0 samples, and evaluate raised "below init_batch_size".
+    fn = GoodputFunction(P1, GRAD, 32)
+    good, atomic, steps = fn.optimize(1, replicas, accumulation=True, **kwargs)
+    assert good > 0 and steps >= 0 and replicas * atomic * (steps + 1) >= 32
+    nodes = np.ones(3, dtype=int)
+    goods, _, steps = fn.optimize(nodes, np.array([1, 2, 4]), accumulation=True, **kwargs)
+    assert np.all(goods > 0) and np.all(steps >= 0)
+
+
+def test_efficiency_keeps_its_bounds_at_extreme_statistics():
+    batch = np.array([32, 40, 64, 320])
+    scale = batch / 32
+    for grad in [(1e308, 1e308), (1e300, 1e308), (0.0, 5e-324), (5e-324, 5e-324), (1.0, 1e-310)]:
+        eff = GoodputFunction(P1, grad, 32).efficiency(batch)
+        assert np.all(np.isfinite(eff)), grad
+        assert np.all((eff >= 1 / scale * (1 - 1e-12)) & (eff <= 1 + 1e-12)), (grad, eff)
+    # a subnormal noise with no signal is still pure noise: efficiency 1 (gain = scale)
+    np.testing.assert_allclose(GoodputFunction(P1, (0.0, 5e-324), 32).efficiency(batch), 1.0)
+    # a broken (infinite or NaN) statistic claims no progress, as adaptrain.core.gns.gain: 1/scale
+    for grad in [(1.0, math.inf), (math.inf, 1.0), (math.inf, math.inf), (math.nan, 1.0)]:
+        fn = GoodputFunction(P1, grad, 32)
+        np.testing.assert_allclose(fn.efficiency(batch), 1 / scale, rtol=1e-12)
+        good, atomic, _ = fn.optimize(1, 4, 512)
+        assert math.isfinite(good) and atomic == 8
+
+
 # ------------------------------------------------------------------ bad input
 
 
@@ -427,6 +464,28 @@ def test_optimize_bad_input():
         fn.optimize(1, 2, 128, (64, 32))
     with pytest.raises(ValueError, match="atomic_bsz_range"):
         fn.optimize(1, 2, 128, (-1, 32))
+
+
+def test_optimize_rejects_a_non_finite_or_unrepresentable_max_batch_size():
+    # inf used to end in "batch size [[32], [0], ...] is below init_batch_size", and a total
+    # past int64 wrapped around to negative batch sizes.
+    fn = GoodputFunction(P1, GRAD, 32)
+    for bad in (math.inf, 1e19, 1e300):
+        for accumulation in (False, True):
+            with pytest.raises(ValueError, match="max_batch_size=.*at most 2\\*\\*53"):
+                fn.optimize(1, 4, max_batch_size=bad, accumulation=accumulation)
+    assert fn.optimize(1, 4, max_batch_size=2**53)[0] > 0
+
+
+def test_nan_or_infinite_gamma_perf_params_are_rejected():
+    for i in range(7):
+        with pytest.raises(ValueError, match="perf_params"):
+            GoodputFunction(P1[:i] + (math.nan,) + P1[i + 1 :], GRAD, 32)
+    with pytest.raises(ValueError, match="gamma"):
+        GoodputFunction(P1._replace(gamma=math.inf), GRAD, 32)
+    # an infinite cost is meaningful (that link is never worth it): throughput 0 across it
+    fn = GoodputFunction(P1._replace(alpha_n=math.inf), GRAD, 32)
+    assert fn.throughput(2, 4, 32, 0) == 0.0 and fn.throughput(1, 4, 32, 0) > 0
 
 
 def test_evaluate_below_initial_batch():
@@ -585,6 +644,16 @@ def test_single_configuration_closed_form_is_the_search_minimum(replicas, bsz, t
         )
 
 
+@pytest.mark.parametrize("scale", [1e-30, 1e100, 1e200, 1e300])
+def test_fit_of_huge_and_tiny_times_does_not_crash(scale):
+    # Times ≳ 1e99 s raised OverflowError from the priors' Python-float powers (ar**3). (The
+    # fit is not scale-free near its 1e-8 lower bounds, so only a finite fit is asserted.)
+    true = PerfParams(0.05, 0.002, 0.3, 0.02, 0.1, 0.005, 2.0)
+    nodes, replicas, bsz, t_accum, t_optim = _synthetic(true, FULL_CONFIGS[:5], [16, 64])
+    fit = fit_perf_params(nodes, replicas, bsz, t_accum * scale, t_optim * scale)
+    assert all(math.isfinite(v) for v in fit) and 1.0 <= fit.gamma <= 10.0
+
+
 def test_single_configuration_closed_form_only_where_exact():
     # One replica (no network term to absorb T_optim − T_accum), two configurations, or a
     # multi-node one: the search runs (the closed form returns None).
@@ -650,6 +719,22 @@ def test_fit_objective_no_worse_than_truth(alphas, beta_c, ratios, gamma):
     f_true = G._objective(np.array(true), data)[0]
     f_fit = G._objective(np.array(fit), data)[0]
     assert f_fit <= f_true * 1.05 + 1e-4  # single-start AdaptDL is often 2-10x worse
+
+
+def test_goodput_model_does_not_import_torch():
+    # The efficiency uses adaptrain.core.gns.gain, which must not import torch for numpy input.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from adaptrain.core.goodput import GoodputFunction\n"
+        "fn = GoodputFunction((0.1, 0.01, 0.5, 0.05, 0.2, 0.02, 1.0), (1.0, 1.0), 32)\n"
+        "fn.optimize([1, 2], [4, 8], 512, accumulation=True)\n"
+        "fn.efficiency(64)\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_public_reexports():

@@ -25,6 +25,7 @@ no I/O and never touches ``torch.distributed``.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, NamedTuple
 
 __all__ = [
@@ -186,12 +187,10 @@ def sqrt_gain(sqr: Any, var: Any, scale: Any) -> Any:
 
 
 def _is_tensor(x: Any) -> bool:
-    try:
-        import torch
-
-        return isinstance(x, torch.Tensor)
-    except ImportError:  # pragma: no cover
-        return False
+    # No tensor exists before torch is imported: a numpy-only caller (the goodput model in a
+    # scheduler) must not pay torch's ~1 s import here.
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 class EMAState(NamedTuple):

@@ -30,9 +30,12 @@ analytic gradient (no autograd package, no monkey-patching) and a multi-start se
 Deliberate differences from AdaptDL 0.2.11: bad input raises ``ValueError`` (not ``assert``);
 ``optimize`` returns Python scalars only when both allocations are scalars (AdaptDL's
 ``.item()`` fails for a scalar mixed with an array); ``sqr``/``var`` are clipped at 0 in the
-efficiency (AdaptDL's callers pass clipped values anyway); ``optimize`` starts its search at
-``⌈init_batch_size⌉`` (AdaptDL truncates a non-integer one and fails) and takes an optional
-``min_batch_size``; the fit's search is more reliable (see :func:`fit_perf_params`), its
+efficiency (AdaptDL's callers pass clipped values anyway) and a NaN or infinite one gives gain 1
+(:func:`adaptrain.core.gns.gain`); with accumulation ``accum_steps`` is at least 0 (AdaptDL's
+rule gives −1 when the local batch is below 1e-8 × the largest micro-batch, e.g. with
+``max_batch_size = 1e9``), and ``max_batch_size`` is at most ``2**53``; ``optimize`` starts its
+search at ``⌈init_batch_size⌉`` (AdaptDL truncates a non-integer one and fails) and takes an
+optional ``min_batch_size``; the fit's search is more reliable (see :func:`fit_perf_params`), its
 objective and priors are the same.
 """
 
@@ -44,6 +47,8 @@ import math
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from adaptrain.core.gns import gain as _gain
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +66,8 @@ __all__ = [
 #: Number of total batch sizes :meth:`GoodputFunction.optimize` samples (geometric spacing).
 NUM_CANDIDATES = 50
 _EPS_ROUND = 1e-8  # tolerance of the floor/ceil operations in ``optimize``
+_MAX_BATCH = 2**53  # largest max_batch_size: integer batch sizes stay exact in float64
+_NORMAL_STATS = (1e-150, 1e150)  # statistics the efficiency's plain formula keeps exact
 _TINY = 1e-8  # network time stand-in for "no link" and the floor of (replicas − 2)
 _GAMMA_STARTS = (1.0, 3.0)  # overlaps of the data-driven starts
 _SMOOTH_DELTA = 1e-4  # smoothing of the RMSE kink in the first phase of each start
@@ -154,9 +161,11 @@ class GoodputFunction:
             )
         self._perf_params = PerfParams(*(float(v) for v in perf_params))
         self._grad_params = GradParams(*(float(v) for v in grad_params))
-        if not self._perf_params.gamma > 0:
+        if any(math.isnan(v) for v in self._perf_params):
+            raise ValueError(f"perf_params={self._perf_params!r} must not contain NaN")
+        if not 0 < self._perf_params.gamma < math.inf:
             raise ValueError(
-                f"gamma={self._perf_params.gamma} must be positive (usually in [1, 10])"
+                f"gamma={self._perf_params.gamma} must be positive and finite (usually in [1, 10])"
             )
         self._init_batch_size = init_batch_size
 
@@ -214,15 +223,27 @@ class GoodputFunction:
     def efficiency(self, batch_size: Any) -> Any:
         """``gain(scale) / scale`` with ``scale = batch_size / init_batch_size`` (1 at ``B0``).
 
-        ``sqr`` and ``var`` are clipped at 0 (as AdaptDL's estimators already are), so the
-        efficiency lies in ``[1/scale, 1]`` for ``scale ≥ 1``.
+        The gain is :func:`adaptrain.core.gns.gain`: ``sqr`` and ``var`` are clipped at 0 (as
+        AdaptDL's estimators already are) and normalised by the larger of the two, so the
+        efficiency lies in ``[1/scale, 1]`` for ``scale ≥ 1`` even for huge or subnormal
+        statistics; a NaN or infinite statistic gives gain 1 (no progress claimed).
+
+        Raises:
+            ValueError: if a ``batch_size`` is not positive.
         """
         scale = np.asarray(batch_size, dtype=np.float64) / self._init_batch_size
         sqr = max(self._grad_params.sqr, 0.0)
         var = max(self._grad_params.var, 0.0)
-        denom = var / scale + sqr
-        with np.errstate(divide="ignore", invalid="ignore"):
-            gain = np.where(denom > 0, (var + sqr) / np.where(denom > 0, denom, 1.0), 1.0)
+        top = max(sqr, var)
+        if top == 0.0 or _NORMAL_STATS[0] < top < _NORMAL_STATS[1]:
+            # AdaptDL's arithmetic (the scheduler's recorded figures depend on its rounding)
+            if not np.all(scale > 0):
+                raise ValueError(f"batch_size={batch_size!r} must be positive")
+            denom = var / scale + sqr
+            with np.errstate(divide="ignore", invalid="ignore"):
+                gain = np.where(denom > 0, (var + sqr) / np.where(denom > 0, denom, 1.0), 1.0)
+        else:  # huge, subnormal, infinite or NaN statistics: normalised first
+            gain = _gain(self._grad_params.sqr, self._grad_params.var, scale)
         out = gain / scale
         return float(out) if np.ndim(out) == 0 else out
 
@@ -252,8 +273,8 @@ class GoodputFunction:
         * Without ``accumulation``: ``accum_steps = 0``; a single replica keeps
           ``atomic_bsz = ⌈init_batch_size⌉`` (it cannot grow its batch without accumulation),
           more replicas use ``ceil(batch / num_replicas)``.
-        * With ``accumulation``: ``accum_steps = ceil(local / max_atomic_bsz) − 1`` (at least 1
-          for a single replica whose local batch exceeds ``init_batch_size``, so that the
+        * With ``accumulation``: ``accum_steps = max(ceil(local / max_atomic_bsz) − 1, 0)`` (at
+          least 1 for a single replica whose local batch exceeds ``init_batch_size``, so that the
           gradient noise can be estimated) and ``atomic_bsz = ceil(local / (accum_steps + 1))``.
 
         The search starts at ``⌈init_batch_size⌉`` (the initial batch itself when it is an
@@ -282,8 +303,8 @@ class GoodputFunction:
 
         Raises:
             ValueError: on ``num_nodes < 1``, ``num_nodes > num_replicas``,
-                ``max_batch_size < init_batch_size``, ``min_batch_size > max_batch_size`` or a
-                bad ``atomic_bsz_range``.
+                ``max_batch_size < init_batch_size``, ``max_batch_size`` not finite or above
+                ``2**53``, ``min_batch_size > max_batch_size`` or a bad ``atomic_bsz_range``.
         """
         nodes_in = np.asarray(num_nodes)
         replicas_in = np.asarray(num_replicas)
@@ -301,6 +322,11 @@ class GoodputFunction:
             raise ValueError(
                 f"max_batch_size={max_batch_size!r} is below init_batch_size={init}; "
                 "raise max_batch_size or lower init_batch_size"
+            )
+        if not max_batch_size <= _MAX_BATCH:
+            raise ValueError(
+                f"max_batch_size={max_batch_size!r} must be finite and at most 2**53 "
+                "(batch sizes are computed as exact integers)"
             )
         lo, hi = atomic_bsz_range or (None, None)
         min_atomic = lo or 1
@@ -332,7 +358,8 @@ class GoodputFunction:
             """Integer ``(atomic_bsz, accum_steps)`` for each total ``batch`` (AdaptDL's)."""
             local = batch / replicas
             if accumulation:
-                accum = np.ceil(local / max_atomic - _EPS_ROUND) - 1
+                # at least 0: ``local < 1e-8 · max_atomic`` would otherwise give -1
+                accum = np.maximum(np.ceil(local / max_atomic - _EPS_ROUND) - 1, 0)
                 needs_two = (replicas == 1) & (local > init_int + _EPS_ROUND)
                 accum = np.where(needs_two, np.maximum(accum, 1), accum).astype(int)
                 atomic = np.ceil(local / (accum + 1) - _EPS_ROUND).astype(int)
@@ -428,7 +455,17 @@ def _objective(
     e1 = log_a - data.log_accum
     e2 = pred_lo - data.log_optim
     reg1 = 1e-3 * (g - 1.0) ** 2
-    reg2 = 1e-2 * ((bn / an) ** 2 + (br / ar) ** 2)
+    try:
+        reg2 = 1e-2 * ((bn / an) ** 2 + (br / ar) ** 2)
+        # the prior's gradient terms (added below), computed here for the same overflow guard
+        prior = (-2e-2 * bn**2 / an**3, 2e-2 * bn / an**2, -2e-2 * br**2 / ar**3, 2e-2 * br / ar**2)
+    except OverflowError:
+        # Python-float powers raise past 1e308 (absurd step times); products give inf instead,
+        # or the finite value when only an intermediate power overflowed. (Not the default:
+        # their rounding differs, and the scheduler's recorded figures depend on the fit's.)
+        qn, qr = bn / an, br / ar
+        reg2 = 1e-2 * (qn * qn + qr * qr)
+        prior = (-2e-2 * qn * qn / an, 2e-2 * qn / an, -2e-2 * qr * qr / ar, 2e-2 * qr / ar)
     # With ``smooth`` the RMSE is sqrt(mean² + δ²): no kink at zero error, same scale.
     delta2 = _SMOOTH_DELTA**2 if smooth else 0.0
     err1 = math.sqrt(float(e1 @ e1) / n + delta2)
@@ -443,10 +480,7 @@ def _objective(
     grad[0:2] = d_a @ data.design_a
     grad[2:6] = d_n @ data.design_n
     grad[6] = float(c2 @ (w_a * log_a + w_n * log_n - pred_lo)) / g + 2e-3 * (g - 1.0)
-    grad[2] += -2e-2 * bn**2 / an**3
-    grad[3] += 2e-2 * bn / an**2
-    grad[4] += -2e-2 * br**2 / ar**3
-    grad[5] += 2e-2 * br / ar**2
+    grad[2:6] += prior
     return f, grad
 
 
@@ -551,7 +585,8 @@ def fit_perf_params(
     # and gamma as is. The upper bound on the logs only keeps exp() finite: no step-time
     # coefficient exceeds 1e4 × the slowest observed time.
     is_log = np.arange(7) < 6
-    log_cap = float(np.log(1e4 * max(np.max(t_accum), np.max(t_optim), 1.0)))
+    slowest = max(np.max(t_accum), np.max(t_optim), 1.0)
+    log_cap = float(np.log(1e4 * slowest)) if slowest < 1e300 else math.log(1e4) + math.log(slowest)
     z_lower = np.where(is_log, np.log(lower), lower)
     z_upper = np.where(is_log, np.maximum(log_cap, np.log(np.maximum(init, 1e-300))), upper)
     z_init = np.where(is_log, np.log(init), init)
