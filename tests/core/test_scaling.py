@@ -108,6 +108,10 @@ def test_legw_monotone_and_capped(scale, p1, p2, epochs, steps):
         lambda: linear_factor(0.0),
         lambda: sqrt_factor(-2.0),
         lambda: legw_factor(0.0, 1.0, 1.0, 10.0),
+        lambda: linear_factor(math.inf),
+        lambda: sqrt_factor(math.nan),
+        lambda: adascale_factor(math.inf, 1.0, 1.0),
+        lambda: legw_factor(math.inf, 1.0, 1.0, 10.0),
     ],
 )
 def test_bad_scale(call):
@@ -120,3 +124,20 @@ def test_legw_bad_arguments():
         legw_factor(2.0, 0.0, -1, 10.0)
     with pytest.raises(ValueError, match="steps_per_epoch=0"):
         legw_factor(2.0, 0.0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"base_warmup_epochs": math.nan}, "base_warmup_epochs=nan"),
+        ({"base_warmup_epochs": math.inf}, "base_warmup_epochs=inf"),
+        ({"steps_per_epoch": math.nan}, "steps_per_epoch=nan"),
+        ({"steps_per_epoch": math.inf}, "steps_per_epoch=inf"),
+        ({"progress": math.nan}, "progress=nan"),
+    ],
+)
+def test_legw_non_finite_arguments_are_errors_not_a_nan_or_zero_lr(kwargs, match):
+    # Each used to pass the checks and give a NaN factor (or 0 for ever: an infinite warm-up).
+    args = {"scale": 4.0, "progress": 10.0, "base_warmup_epochs": 2.0, "steps_per_epoch": 10.0}
+    with pytest.raises(ValueError, match=match):
+        legw_factor(**{**args, **kwargs})

@@ -6,6 +6,7 @@ import copy
 import faulthandler
 import functools
 import io
+import itertools
 import math
 
 import numpy as np
@@ -268,6 +269,78 @@ def test_grad_scaler_skipped_step_discards_its_statistics():
     )
 
 
+def test_var_floor_is_applied_in_the_units_the_optimizer_steps_with():
+    # Identical micro-batches: L = T exactly, the raw variance is 0 and is clipped at
+    # fairscale's floor 1e-6. Under a GradScaler the floor must hold for the unscaled
+    # gradients too (it used to be applied before unscaling: 1e-6 / loss_scale²).
+    def run(scaler):
+        model = make_model()
+        opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+        gains = []
+        for batch in itertools.islice(batches(6), 4):
+            opt.zero_grad()
+            for _ in range(2):
+                loss = loss_of(model, batch) / 2
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.unscale_(opt)
+            gains.append(opt.gain())
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        return opt, gains
+
+    ref, g_ref = run(None)
+    amp, g_amp = run(torch.amp.GradScaler("cpu", init_scale=2.0**12))
+    assert float(ref._state["grad_var_avg"][0]) == pytest.approx(1e-6)
+    np.testing.assert_allclose(amp._state["grad_var_avg"], ref._state["grad_var_avg"], rtol=1e-9)
+    np.testing.assert_allclose(g_amp, g_ref, rtol=1e-9)
+
+
+def _frozen_run(change, between):
+    """lr 0, two micro-batches for 3 steps, then ``change(opt)`` (between the last backward
+    pass and ``step()`` of step 3, or after it) and 3 steps of ``opt.num_gradients_to_accumulate``
+    micro-batches: the averages after step 3 and every gain seen."""
+    model = make_model()
+    opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.0), num_gradients_to_accumulate=2)
+    data, gains, after = batches(9), [], None
+    for s in range(6):
+        c = opt.num_gradients_to_accumulate
+        opt.zero_grad()
+        for _ in range(c):
+            (loss_of(model, next(data)) / c).backward()
+        gains.append(opt.gain())
+        if s == 2 and between:
+            change(opt)
+        opt.step()
+        if s == 2:
+            if not between:
+                change(opt)
+            after = {k: v.clone() for k, v in opt._state.items()}
+    return after, gains
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda o: o.set_scale(4), id="set_scale"),
+        pytest.param(lambda o: o.set_num_gradients_to_accumulate(4), id="set_num"),
+        pytest.param(lambda o: (o.set_num_gradients_to_accumulate(4), o.set_scale(4)), id="both"),
+    ],
+)
+def test_settings_changed_before_step_apply_from_the_next_step(change):
+    # As in fairscale, where the sample is taken at the end of the last backward pass: the
+    # gradients already computed were produced at the old scale and accumulation count, so a
+    # new setting given between the last backward pass and step() applies from the next step.
+    after, gains = _frozen_run(change, between=False)
+    after_b, gains_b = _frozen_run(change, between=True)
+    for k, v in after.items():
+        torch.testing.assert_close(after_b[k], v, rtol=1e-12, atol=0, msg=k)
+    assert gains_b == gains
+
+
 def test_non_finite_gradients_leave_the_statistics_unchanged():
     model = make_model()
     opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.0), num_gradients_to_accumulate=2)
@@ -501,6 +574,8 @@ def test_the_averages_do_not_depend_on_the_scale():
         {"num_gradients_to_accumulate": None},
         {"num_gradients_to_accumulate": "3"},
         {"num_gradients_to_accumulate": 2.5},
+        {"smoothing": "0.9"},
+        {"smoothing": math.nan},
     ],
 )
 def test_bad_arguments_are_value_errors_naming_the_value(kwargs):

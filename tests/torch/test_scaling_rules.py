@@ -83,6 +83,10 @@ def test_bad_input():
         LEGWScale(-1, 100)
     with pytest.raises(ValueError, match="data_size"):
         LEGWScale(1, 0)
+    with pytest.raises(ValueError, match="base_warmup_epochs=nan"):
+        LEGWScale(math.nan, 100)
+    with pytest.raises(ValueError, match="data_size=nan"):
+        LEGWScale(1, math.nan)
     with pytest.raises(ValueError, match="scale"):
         _bind(LinearScale(), _Owner(1.0, 1.0)).scale_lr(0.0)
     rule = _bind(AdaScale(), _Owner(1.0, 1.0))
@@ -180,6 +184,26 @@ def test_state_dict_and_restore_lr_after_an_update_that_raised():
     with pytest.raises(FloatingPointError):
         rule.step()  # AdaptDL's explicit form restores at once
     assert opt.param_groups[0]["lr"] == 0.1 and owner.ended == []
+
+
+def test_detaching_after_an_update_that_raised_restores_the_lr():
+    # A step that raised leaves the lr scaled until this rule restores it; a rule detached
+    # in between (replaced by a new AdaptiveDataParallel's) never would, and the new rule
+    # would take the scaled value as the base lr.
+    owner = _Stepper(4.0)
+    p = torch.nn.Parameter(torch.zeros(1))
+    p.grad = torch.ones(1)
+    opt = _FailingSGD([p], lr=0.1)
+    AdaScale().initialize(owner, opt, patch_optimizer=True)
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    second = AdaScale()
+    with pytest.warns(UserWarning, match="detached"):
+        second.initialize(_Stepper(4.0), opt, patch_optimizer=True)
+    assert opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(FloatingPointError):
+        opt.step()
+    assert opt.seen == pytest.approx(0.25)  # 0.1 x 2.5, not 0.25 x 2.5
 
 
 def test_a_second_rule_on_the_same_optimizer_replaces_the_first():

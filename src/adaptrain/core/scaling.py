@@ -29,8 +29,10 @@ __all__ = [
 
 
 def _check_scale(scale: float) -> None:
-    if not scale > 0:
-        raise ValueError(f"scale={scale} must be positive (batch size over base batch size)")
+    if not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(
+            f"scale={scale} must be positive and finite (batch size over base batch size)"
+        )
 
 
 def adascale_factor(scale: float, sqr: float, var: float, progress: float = 0.0) -> float:
@@ -70,13 +72,20 @@ def legw_factor(
         progress: statistical progress in base-batch-size steps (AdaptDL's effective steps).
         base_warmup_epochs: warm-up length in epochs at the base batch size.
         steps_per_epoch: steps per epoch at the base batch size (``data_size / B0``).
+
+    Raises:
+        ValueError: for a scale that is not positive and finite, a ``base_warmup_epochs`` that
+            is not finite and ≥ 0, a ``steps_per_epoch`` that is not finite and > 0, or a NaN
+            ``progress`` (each would give a NaN factor, or 0 for ever).
     """
     _check_scale(scale)
-    if base_warmup_epochs < 0 or steps_per_epoch <= 0:
+    if not (0 <= base_warmup_epochs < math.inf and 0 < steps_per_epoch < math.inf):
         raise ValueError(
-            f"base_warmup_epochs={base_warmup_epochs} must be ≥ 0 and "
-            f"steps_per_epoch={steps_per_epoch} > 0"
+            f"base_warmup_epochs={base_warmup_epochs} must be finite and ≥ 0 and "
+            f"steps_per_epoch={steps_per_epoch} finite and > 0"
         )
+    if math.isnan(progress):
+        raise ValueError(f"progress={progress} must be a number (effective steps), not NaN")
     warmup_steps = scale * base_warmup_epochs * steps_per_epoch
     peak = math.sqrt(scale)
     if warmup_steps <= 0 or progress >= warmup_steps:

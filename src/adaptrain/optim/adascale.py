@@ -263,8 +263,8 @@ class AdaScale(Optimizer):
     # ------------------------------------------------------------------ state helpers
     @staticmethod
     def _check_smoothing(smoothing: float) -> None:
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing={smoothing} must lie in [0, 1) (0 = no averaging)")
+        if not _is_number(smoothing) or not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing={smoothing!r} must lie in [0, 1) (0 = no averaging)")
 
     @staticmethod
     def _fresh_state(n: int) -> dict[str, torch.Tensor]:
@@ -345,6 +345,11 @@ class AdaScale(Optimizer):
         if reduced is not None and reduced[0] is not None:
             reduced[0].wait()  # never leave a collective dangling
         self._reduced: tuple[Any, torch.Tensor, list[float]] | None = None
+        # (scale, num_gradients_to_accumulate, smoothing) when the step's last backward pass
+        # ended: the gradients were produced at these settings, so a set_scale() or
+        # set_num_gradients_to_accumulate() before step() applies from the next step (as in
+        # fairscale, which takes the sample at the end of that backward pass).
+        self._sample_cfg: tuple[float, int, float] | None = None
         self._est_cache: GNSEstimate | None = None
         self._avg_cache: tuple[float | None, Any] | None = None
 
@@ -482,6 +487,7 @@ class AdaScale(Optimizer):
         total = self._total_grad_sqr()
         self._probe = self._make_probe(self._last_probe)
         vec = torch.tensor(local + [float(k_local)], dtype=torch.float64)
+        self._sample_cfg = (self._scale, self._num_grads_to_accum, self._smoothing)
         work = None
         if self._world_size > 1:
             if not (dist.is_available() and dist.is_initialized()):
@@ -576,7 +582,9 @@ class AdaScale(Optimizer):
 
         The averages are kept in base-batch units (``sqr ≈ |∇F|²``, ``var ≈ tr(Σ)/B0``: each
         sample is multiplied by ``S`` over the micro-batch count), which do not depend on
-        ``S``, so they stay valid at the new scale and are not changed.
+        ``S``, so they stay valid at the new scale and are not changed. Called between the
+        step's last backward pass and ``step()``, the new scale sets the gain of that step,
+        while its sample keeps the scale its gradients were computed at (as in fairscale).
 
         Args:
             scale: the new ``S`` (at least 1).
@@ -588,7 +596,6 @@ class AdaScale(Optimizer):
         """
         self._check_not_in_backward("set_scale")
         self._scale = self._checked_scale(scale)
-        self._est_cache = self._avg_cache = None
 
     @staticmethod
     def _checked_scale(scale: Any) -> float:
@@ -603,7 +610,11 @@ class AdaScale(Optimizer):
     def set_num_gradients_to_accumulate(
         self, num_gradients_to_accumulate: int, update_smoothing: bool = True
     ) -> None:
-        """Set the backward passes per step; by default also the default smoothing for it."""
+        """Set the backward passes per step; by default also the default smoothing for it.
+
+        Called between the step's last backward pass and ``step()``, it applies from the next
+        step: the pending sample keeps the count and smoothing of the passes that made it.
+        """
         self._check_not_in_backward("set_num_gradients_to_accumulate")
         n = num_gradients_to_accumulate
         if not _is_number(n) or not math.isfinite(n) or int(n) != n or n < 1:
@@ -618,7 +629,6 @@ class AdaScale(Optimizer):
             )
         self._num_grads_to_accum = int(num_gradients_to_accumulate)
         self._state_ready = True
-        self._est_cache = self._avg_cache = None
         if update_smoothing:
             self._smoothing = max(1 - self._world_size * self._num_grads_to_accum / 1000, 0)
 
@@ -701,7 +711,8 @@ class AdaScale(Optimizer):
         self._est_cache = est
         if est is None:
             return None, None
-        c = self._num_grads_to_accum
+        assert self._sample_cfg is not None
+        c = self._sample_cfg[1]
         now = self._total_if_rescaled(total_end)
         key = now
         if now is not None:
@@ -712,15 +723,21 @@ class AdaScale(Optimizer):
             end = float(sum(total_end))
             if end > 0 and math.isfinite(end):
                 ratio = now / end
+                if not math.isfinite(ratio):
+                    ratio = math.nan  # a broken rescaling: the sample is skipped
                 est = GNSEstimate(est.sqr * ratio, est.var * ratio)
-        return est, key
+        # fairscale's per-sample clipping, in the units the optimizer steps with (clipping
+        # before the rescaling would leave the floor at 1e-6 / loss_scale² under a GradScaler)
+        return clip_estimate(est, min_sqr=0.0, min_var=_VAR_FLOOR), key
 
     def _raw_sample(self, vec: torch.Tensor, total_end: list[float]) -> GNSEstimate | None:
-        """The sample in the units of the backward passes (fairscale's computation)."""
+        """The unclipped sample in the units of the backward passes (fairscale's computation),
+        at the settings of the backward passes that produced it."""
         k = int(round(float(vec[-1])))
         if k == 0:
             return None
-        c = self._num_grads_to_accum
+        assert self._sample_cfg is not None
+        scale, c, _ = self._sample_cfg
         expected = self._world_size * c
         if k != expected:
             raise RuntimeError(
@@ -738,8 +755,7 @@ class AdaScale(Optimizer):
                 total = total / c**2  # .grad held the sum of c passes
         # fairscale's Appendix-B.3 sample, with var = tr(Σ)/B0 at base batch B = B0·S:
         # micro-batch / base batch = S/K.
-        est = unbiased_estimate(local_sum / k, total, k, self._scale / k)
-        return clip_estimate(est, min_sqr=0.0, min_var=_VAR_FLOOR)
+        return unbiased_estimate(local_sum / k, total, k, scale / k)
 
     def _pending_averages(self) -> tuple[list[Any], tuple[torch.Tensor, torch.Tensor]] | None:
         """The averages with this step's sample folded in: ``(new states, (sqr, var))``.
@@ -753,12 +769,14 @@ class AdaScale(Optimizer):
         if cache is not None and cache[0] == key:
             return cache[1]
         states, values = [], []
+        assert self._sample_cfg is not None
+        smoothing = self._sample_cfg[2]
         for name, value in (("grad_sqr_avg", est.sqr), ("grad_var_avg", est.var)):
             if self._debias_ewma:
-                st = ema_update(self._ema(name), value, self._smoothing)
+                st = ema_update(self._ema(name), value, smoothing)
                 values.append(ema_value(st) if st.count > 0 else self._state[name])
             else:
-                st = b3_update(self._b3(name), value, self._smoothing)
+                st = b3_update(self._b3(name), value, smoothing)
                 values.append(b3_value(st))
             states.append(st)
         result = (states, (values[0], values[1]))

@@ -28,6 +28,7 @@ scaled value.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from typing import Any
@@ -104,7 +105,11 @@ class ScalingRuleBase:
             ]
 
     def detach(self) -> None:
-        """Remove the step hooks."""
+        """Remove the step hooks, first putting back the unscaled ``lr`` values if a step that
+        raised left them scaled (nothing would restore them once the hooks are gone)."""
+        if self._optimizer is not None and self._handles and not self._in_closure:
+            self._in_step = False
+            self._restore_lr(self._optimizer)
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -282,10 +287,10 @@ class LEGWScale(ScalingRuleBase):
 
     def __init__(self, base_warmup_epochs: float, data_size: int) -> None:
         super().__init__()
-        if base_warmup_epochs < 0:
-            raise ValueError(f"base_warmup_epochs={base_warmup_epochs} must be ≥ 0")
-        if data_size <= 0:
-            raise ValueError(f"data_size={data_size} must be positive")
+        if not 0 <= base_warmup_epochs < math.inf:
+            raise ValueError(f"base_warmup_epochs={base_warmup_epochs} must be finite and ≥ 0")
+        if not 0 < data_size < math.inf:
+            raise ValueError(f"data_size={data_size} must be positive and finite")
         self._base_warmup_epochs = base_warmup_epochs
         self._data_size = data_size
 
