@@ -469,3 +469,21 @@ def test_count_sketch_is_linear_and_unbiased():
     assert half.dtype == torch.float32 and half.shape == (64,)
     with pytest.raises(ValueError, match="size"):
         count_sketch(x, 0, 1)
+
+
+# ---------------------------------------------------------------- review fixes (top-k ties)
+
+
+def test_topk_indices_break_ties_by_lowest_index():
+    # Documented: ties go to the lowest index. torch.topk picks an arbitrary tied entry
+    # (ones(10), k=3 gave [6, 7, 8]), so workers could not reproduce a selection.
+    assert topk_indices(torch.ones(10), 3).tolist() == [0, 1, 2]
+    assert topk_indices(torch.ones(5000), 4).tolist() == [0, 1, 2, 3]
+    x = torch.tensor([1.0, 2.0, -2.0, 2.0, 2.0, 2.0, 0.0, 2.0])
+    assert topk_indices(x, 2).tolist() == [1, 2]
+    assert topk_indices(x, 4).tolist() == [1, 2, 3, 4]
+    y = torch.tensor([0.5, -3.0, 0.5, 0.5, 3.0, 0.1], dtype=torch.float16)
+    assert topk_indices(y, 3).tolist() == [0, 1, 4]  # the two 3s, then the first 0.5
+    z = torch.tensor([1.0, float("nan"), 5.0, 1.0])
+    assert topk_indices(z, 2).tolist() == [1, 2]  # NaN still counts as the largest
+    assert topk_indices(torch.tensor([1.0, -1.0]), 5).tolist() == [0, 1]

@@ -852,6 +852,18 @@ def test_fp16_validates_world_size_and_scales():
     assert opt.loss_scaler.loss_scale == 2.0**13
 
 
+def _construct_each(cases, m):
+    """Build a DecentralizedSGD for each case; its ValueError's message, or None."""
+    out = {}
+    for name, (r, nbrs) in cases.items():
+        try:
+            DecentralizedSGD(r, nbrs, m, lr=0.1)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
 def _bad_graph_worker(rank, ws):
     m = torch.nn.Linear(2, 2)
     ring = ring_neighbors(rank, ws)
@@ -862,14 +874,7 @@ def _bad_graph_worker(rank, ws):
         "one_rank_bad_args": (rank, [] if rank == 1 else ring),
         "ok": (rank, ring),
     }
-    out = {}
-    for name, (r, nbrs) in cases.items():
-        try:
-            DecentralizedSGD(r, nbrs, m, lr=0.1)
-            out[name] = None
-        except ValueError as e:
-            out[name] = str(e)
-    return out
+    return _construct_each(cases, m)
 
 
 def test_decentralized_rejects_bad_neighbour_graphs_on_every_rank():
@@ -1056,3 +1061,123 @@ def test_centralized_densifies_sparse_gradients():
     agg = CentralizedSGD(1, _SparseEmb(True), lr=0.1).agg
     with pytest.raises(ValueError, match="sparse"):  # reduce_ writes in place: dense only
         agg.reduce_([torch.eye(3).to_sparse()])
+
+
+# ---------------------------------------------------------------- review fixes (2)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_ef_sign_sgd_leaves_a_parameter_without_gradient_still(momentum):
+    # As torch.optim.SGD: a parameter without a gradient does not move. With error feedback
+    # it used to send its residual (q = 0 + e) and move by it; it now casts no vote and keeps
+    # the residual for its next gradient.
+    torch.manual_seed(0)
+    used, head = torch.nn.Parameter(torch.randn(6)), torch.nn.Parameter(torch.randn(6))
+    opt = SignSGD([used, head], lr=0.1, momentum=momentum, weight_decay=0.01, error_feedback=True)
+    gs = [torch.randn(6) for _ in range(4)]
+    used.grad, head.grad = gs[0].clone(), gs[1].clone()
+    opt.step()
+    mem = opt.state[head]["ef_memory"].clone()
+    assert mem.any()
+    before = head.detach().clone()
+    for g in gs[2:]:
+        opt.zero_grad()
+        used.grad = g.clone()
+        opt.step()
+        assert head.grad is None and torch.equal(head.detach(), before)
+        assert torch.equal(opt.state[head]["ef_memory"], mem)
+    fresh = torch.nn.Parameter(torch.ones(3))  # never had a gradient: no state at all
+    opt.add_param_group({"params": [fresh]})
+    opt.step()
+    assert torch.equal(fresh.detach(), torch.ones(3)) and not opt.state.get(fresh)
+
+
+def _ef_sign_nograd_worker(rank, ws):
+    # ``b`` has a gradient on rank 0 only, ``c`` on none: c stays put, b moves the same on both
+    torch.manual_seed(0)
+    a, b, c = (torch.nn.Parameter(torch.randn(5)) for _ in range(3))
+    c0 = c.detach().clone()
+    opt = SignSGD([a, b, c], lr=0.1, error_feedback=True)
+    g = torch.Generator().manual_seed(rank)
+    a.grad, b.grad, c.grad = (torch.randn(5, generator=g) for _ in range(3))
+    opt.step()  # everybody has every gradient once: c gets a residual
+    for _ in range(3):
+        opt.zero_grad()
+        a.grad = torch.randn(5, generator=g)
+        if rank == 0:
+            b.grad = torch.randn(5, generator=g)
+        c_before = c.detach().clone()
+        opt.step()
+        assert torch.equal(c.detach(), c_before)
+    return _np(([p.detach().clone() for p in (a, b, c)], c0))
+
+
+def test_ef_sign_sgd_parameter_without_gradient_across_workers():
+    res = _t(spawn(_ef_sign_nograd_worker, 2, timeout=120))
+    for p, q in zip(res[0][0], res[1][0]):
+        assert torch.equal(p, q)  # replicas identical
+
+
+def test_fp16_rejects_a_grad_clip_that_is_not_positive():
+    # clip_grad_norm_ with max_norm < 0 multiplies the gradients by a negative coefficient
+    # (gradient ascent), with 0 zeroes them, with NaN poisons them: all silently.
+    model = torch.nn.Linear(2, 2).half()
+    for bad in (-1.0, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="grad_clip"):
+            FP16Optimizer(model, 1, grad_clip=bad, average_world=True)
+    assert FP16Optimizer(model, 1, grad_clip=None, average_world=True).grad_clip == float("inf")
+
+
+def test_sparsify_gradients_names_a_parameter_it_does_not_optimize():
+    opt = SparsifiedSGD([torch.nn.Parameter(torch.zeros(4))], lr=0.1, sparse_grad_size=2)
+    stranger = torch.nn.Parameter(torch.zeros(4))
+    stranger.grad = torch.ones(4)
+    with pytest.raises(ValueError, match="not optimized by this"):
+        opt.sparsify_gradients(stranger, 0.1)
+
+
+def _decentralized_world_of_one(rank, ws):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    ref = copy.deepcopy(model)
+    opt = DecentralizedSGD(rank, ring_neighbors(rank, ws), model, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 3, generator=g)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+    return _np(([p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]))
+
+
+def test_decentralized_world_of_one_is_plain_sgd():
+    # ring_neighbors(0, 1) == []: the only graph of one worker, rejected by the constructor
+    ((params, ref),) = _t(spawn(_decentralized_world_of_one, 1, timeout=60))
+    for a, b in zip(params, ref):
+        assert torch.equal(a, b)
+
+
+def _bad_type_graph_worker(rank, ws):
+    m = torch.nn.Linear(2, 2)
+    ring = ring_neighbors(rank, ws)
+    cases = {
+        "neighbour_not_int": (rank, ["x"] if rank == 1 else ring),
+        "neighbour_none": (rank, [None] if rank == 1 else ring),
+        "neighbors_not_list": (rank, 2 if rank == 1 else ring),
+        "rank_not_int": ("one" if rank == 1 else rank, ring),
+        "ok": (rank, ring),
+    }
+    return _construct_each(cases, m)
+
+
+def test_decentralized_bad_argument_types_raise_on_every_rank():
+    # rank 1 used to fail (TypeError / ValueError from int()) before the collective check,
+    # leaving the others waiting in it until the process-group timeout
+    res = spawn(_bad_type_graph_worker, 3, timeout=60)
+    for out in res:
+        for name in ("neighbour_not_int", "neighbour_none", "neighbors_not_list"):
+            assert "on rank 1: neighbors=" in out[name], (name, out[name])
+        assert "on rank 1: rank='one'" in out["rank_not_int"], out["rank_not_int"]
+        assert out["ok"] is None

@@ -7,8 +7,10 @@ Each step: a local SGD step, then one gossip round over the graph: every worker 
 The neighbour relation must be symmetric (if ``j ∈ N(i)`` then ``i ∈ N(j)``). Unlike
 mlbench-core 3.0.0, rank 0 is accepted, and with a process group the constructor is collective:
 the workers exchange their ``(rank, neighbors)`` once (one ``all_gather_object``) and all raise
-the same :class:`ValueError` for a wrong rank, a neighbour out of range or an asymmetric relation,
-instead of hanging in the first exchange until the process-group timeout.
+the same :class:`ValueError` for a wrong rank, a neighbour out of range or an asymmetric relation
+(or a rank or neighbour that is not an integer), instead of hanging in the first exchange until
+the process-group timeout. In a process group of one worker, ``neighbors=[]``
+(``ring_neighbors(0, 1)``) is accepted: the gossip round is the identity, plain SGD.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ __all__ = ["DecentralizedSGD", "ring_neighbors"]
 def ring_neighbors(rank: int, world_size: int) -> list[int]:
     """The (deduplicated) left and right neighbours of ``rank`` on a ring."""
     return sorted({(rank - 1) % world_size, (rank + 1) % world_size} - {rank})
+
+
+def _as_int(x: Any) -> int | None:
+    """``x`` as an integer rank, or None where it is not one (None, a string, 1.5, a bool)."""
+    if x is None or isinstance(x, (bool, str, bytes)):
+        return None
+    try:
+        i = int(x)
+    except (TypeError, ValueError):
+        return None
+    return i if i == x else None
 
 
 def _check_graph(rank, neighbors, problems: list[str], group: Any) -> list[str]:
@@ -100,11 +113,22 @@ class DecentralizedSGD(SGD):
         process_group: Any = None,
     ) -> None:
         problems = []  # collected first: with a process group every worker must reach the gather
-        if rank is None or int(rank) < 0:
+        distributed = dist.is_available() and dist.is_initialized()
+        rank_i = _as_int(rank)
+        if rank_i is None or rank_i < 0:
             problems.append(f"rank={rank!r}: pass this worker's rank (0, 1, ...)")
-        if not neighbors:
+        try:
+            nbrs = [_as_int(n) for n in neighbors] if neighbors is not None else []
+        except TypeError:  # not iterable
+            nbrs = [None]
+        alone = distributed and dist.get_world_size(process_group) == 1
+        if None in nbrs:
+            problems.append(
+                f"neighbors={neighbors!r}: pass a list of integer ranks (this worker's neighbours)"
+            )
+        elif not nbrs and not alone:  # a world of one worker has no neighbours
             problems.append(f"neighbors={neighbors!r}: pass the ranks of this worker's neighbours")
-        elif rank is not None and int(rank) in [int(n) for n in neighbors]:
+        elif rank_i is not None and rank_i in nbrs:
             problems.append(f"rank {rank} is in its own neighbors {list(neighbors)}: remove it")
         if model is None:
             problems.append("model=None: pass the nn.Module to optimize")
@@ -112,8 +136,8 @@ class DecentralizedSGD(SGD):
             problems.append("average_world=False is not supported: gossip averages the models")
         if lr is required:
             problems.append("lr is required: pass the learning rate, e.g. lr=0.1")
-        if dist.is_available() and dist.is_initialized():
-            problems = _check_graph(rank, neighbors, problems, process_group)
+        if distributed:
+            problems = _check_graph(rank_i, nbrs, problems, process_group)
         if problems:
             raise ValueError("; ".join(problems))
         super().__init__(
@@ -124,8 +148,8 @@ class DecentralizedSGD(SGD):
             weight_decay=weight_decay,
             nesterov=nesterov,
         )
-        self.rank = int(rank)
-        self.neighbors = sorted({int(n) for n in neighbors})
+        self.rank = rank_i
+        self.neighbors = sorted(set(nbrs))
         self.model = model
         self.by_layer = by_layer
         self.process_group = process_group

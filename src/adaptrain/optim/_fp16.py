@@ -103,7 +103,8 @@ class FP16Optimizer:
     Call :meth:`set_optimizer` with an optimizer over ``[self.fp32_params]`` before stepping; a
     :meth:`load_state_dict` before it keeps the optimizer's saved state and loads it into the
     optimizer that :meth:`set_optimizer` receives. ``init_scale`` is clamped to ``max_scale``;
-    ``min_scale`` must lie in ``[0, init_scale)``.
+    ``min_scale`` must lie in ``[0, init_scale)``; ``grad_clip`` must be ``> 0`` (``inf`` or
+    ``None``: no clipping).
     ``use_horovod`` is not supported (raises). Exactly one of ``average_world`` /
     ``average_custom`` must be set.
     """
@@ -133,6 +134,13 @@ class FP16Optimizer:
             raise ValueError(
                 f"average_world={average_world}, average_custom={average_custom}: set exactly one"
             )
+        if grad_clip is not None and not float(grad_clip) > 0:
+            # clip_grad_norm_ would scale the gradients by max_norm / norm: a negative max_norm
+            # reverses them (gradient ascent), 0 zeroes them, NaN poisons them, all silently
+            raise ValueError(
+                f"grad_clip={grad_clip} must be > 0 (the largest gradient L2 norm); pass "
+                "float('inf') or None for no clipping"
+            )
         self.fp16_model = fp16_model
         self.world_size = group_world_size(world_size, process_group)
         self.loss_scaler = DynamicLossScaler(init_scale, scale_factor, scale_window, max_scale)
@@ -143,7 +151,7 @@ class FP16Optimizer:
             )
         self.fp32_params = self.initialize_flat_fp32_weight()
         self.min_scale = float(min_scale)
-        self.grad_clip = float(grad_clip)
+        self.grad_clip = float("inf") if grad_clip is None else float(grad_clip)
         self.optimizer: Optimizer | None = None
         self.agg = AllReduceAggregator(
             self.world_size, divide_before, by_layer, use_cuda, process_group

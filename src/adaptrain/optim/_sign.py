@@ -16,8 +16,10 @@ Each worker keeps its own residual ``e``; error feedback sends 1 bit per coordin
 (``sign(0)`` as ``+1``, which the residual corrects on later steps), majority vote 2 bits (the
 ternary sign, so an exactly-zero coordinate casts no vote). A parameter without a gradient on
 this worker casts no vote and gets neither weight decay nor a momentum update (as in
-``torch.optim.SGD``, which skips it); it joins the collective all the same, so the workers need
-not agree on which parameters have gradients. On sklearn digits (``benchmarks/bench_convergence.py``)
+``torch.optim.SGD``, which skips it); with error feedback it sends a zero scale and keeps its
+residual for its next gradient, so a parameter without a gradient on any worker does not move.
+It joins the collective all the same, so the workers need not agree on which parameters have
+gradients. On sklearn digits (``benchmarks/bench_convergence.py``)
 the momentum-free form tracks momentum SGD within 0.01 nats from 8 epochs on, while momentum
 0.9 needs about twice the steps (see ``benchmarks/results/compression.md``).
 """
@@ -103,6 +105,12 @@ class SignSGD(SGD):
                 elif self.majority_vote:
                     res, _ = sign_update(d, SignState(torch.zeros_like(d)), comm, majority=True)
                     p.add_(res.update, alpha=-lr)
+                elif p.grad is None:
+                    # no vote: a zero scale, the residual kept for the next gradient (sending
+                    # q = e would move a parameter that has no gradient on any worker)
+                    zero = SignState(torch.zeros_like(d))
+                    res, _ = sign_update(d, zero, comm, error_feedback=True)
+                    p.sub_(res.update)  # the other workers' votes
                 else:
                     st = self.state[p]
                     mem = st.get("ef_memory")

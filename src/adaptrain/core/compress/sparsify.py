@@ -72,7 +72,13 @@ def _check_k(k: int, numel: int) -> int:
 def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` largest-magnitude entries of a 1-D tensor (ties: lowest index)."""
     k = _check_k(k, flat.numel())
-    return torch.topk(flat.abs(), k, sorted=False).indices.sort().values
+    # torch.topk breaks ties arbitrarily: take every entry above the k-th largest magnitude,
+    # then the lowest-indexed entries equal to it. NaN ranks as the largest (as in topk).
+    mag = torch.nan_to_num(flat.abs(), nan=float("inf"))
+    kth = torch.topk(mag, k, sorted=False).values.min()
+    above = (mag > kth).nonzero().flatten()
+    tied = (mag == kth).nonzero().flatten()[: k - above.numel()]
+    return torch.cat([above, tied]).sort().values
 
 
 def randomk_indices(numel: int, k: int, generator: torch.Generator) -> torch.Tensor:
