@@ -78,9 +78,53 @@ def test_updates_survive_restart(monkeypatch, tmp_path):
     checkpoint.save_all_states()  # pending updates are folded in before the save
     checkpoint.reset()
     acc = Accumulator()
-    acc["loss"] += 0.5
+    acc["loss"] += 1.25  # the restarted program replays the code before the checkpoint...
+    acc["loss"] += 0.5  # ...and goes on past it
     with acc.synchronized():
         assert acc["loss"] == 1.75
+
+
+def _outside_update_then_loop(interrupt_at: int | None) -> dict | None:
+    """An update outside the loader loop, with no synchronization between it and a checkpoint
+    taken inside the loop (AdaptDL counts it twice after the restart)."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from adaptrain.torch import AdaptiveDataLoader
+
+    acc = Accumulator()
+    loader = AdaptiveDataLoader(TensorDataset(torch.arange(12)), batch_size=2)
+    for epoch in remaining_epochs_until(2):
+        acc["epochs"] += 1  # replayed after a restart inside this epoch
+        for i, (x,) in enumerate(loader):
+            if epoch == 1 and i == interrupt_at:
+                checkpoint.save_all_states()
+                return None
+            acc["seen"] += len(x)
+    with acc.synchronized():
+        return dict(acc)
+
+
+def test_replayed_updates_outside_loops_count_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    assert _outside_update_then_loop(interrupt_at=2) is None
+    checkpoint.reset()
+    assert _outside_update_then_loop(interrupt_at=1) is None  # a second restart, same epoch
+    checkpoint.reset()
+    assert _outside_update_then_loop(interrupt_at=None) == {"epochs": 2, "seen": 24}
+
+
+def _replicas_outside_update_then_loop(rank: int, world_size: int, interrupt_at):
+    return _outside_update_then_loop(interrupt_at)
+
+
+def test_replayed_updates_outside_loops_count_once_across_replica_counts(tmp_path):
+    env = {"ADAPTRAIN_CHECKPOINT_PATH": str(tmp_path)}
+    first = spawn(_replicas_outside_update_then_loop, 2, args=(1,), env=env, timeout=120)
+    assert first == [None, None]
+    # 2 replicas counted 2 epochs each before the checkpoint; 3 replicas replay epoch 1
+    res = spawn(_replicas_outside_update_then_loop, 3, args=(None,), env=env, timeout=120)
+    assert res == [{"epochs": 4, "seen": 24}] * 3
 
 
 def test_replayed_code_after_restart_does_not_double_count(monkeypatch, tmp_path):

@@ -16,6 +16,13 @@ result instead of re-summing (which would count the replayed updates twice). A r
 only shows the recorded result: its writes are discarded and the checkpointed running sums are
 kept, so sums collected after it (e.g. the first half of a validation loop that a checkpoint
 interrupted) still count. History of finished epochs is dropped.
+
+Updates made outside data-loader loops are replayed too (a loader skips the batches it already
+served; the code around it runs again): the checkpoint records how many such updates the
+current epoch (or the code before the epoch loop) had made, and after a restart that many are
+dropped before new ones count. AdaptDL's Accumulator counts them twice when no synchronization
+lies between them and the checkpoint. Like the recorded synchronizations, this relies on the
+program making the same updates in the same order when it replays.
 """
 
 from __future__ import annotations
@@ -57,18 +64,41 @@ class _AccumulatorState(checkpoint.State):
         self.results: dict = dict(*args, **kwargs)
         self.updates: dict = {}
         self.results_history: dict = collections.defaultdict(list)
+        # updates made outside data-loader loops, per epoch (None: before the epoch loop), and
+        # how many of them a restart replays (the count at the checkpoint it restored)
+        self.outside_count: dict = {}
+        self.replayed: dict = {}
+
+    def count_outside_update(self, epoch: Any) -> bool:
+        """Count an update made outside a data-loader loop; False if it is a replayed one."""
+        for key in [k for k in self.outside_count if k is not None and epoch is not None]:
+            if key < epoch:  # finished epochs are never replayed
+                self.outside_count.pop(key)
+                self.replayed.pop(key, None)
+        n = self.outside_count.get(epoch, 0)
+        self.outside_count[epoch] = n + 1
+        return n >= self.replayed.get(epoch, 0)
 
     def sync(self) -> None:
         self.results = _merge(self.results, collective.allreduce(self.updates, _merge))
         self.updates = {}
 
     def save(self, fileobj: BinaryIO) -> None:
-        pickle.dump({"results": self.results, "history": dict(self.results_history)}, fileobj)
+        pickle.dump(
+            {
+                "results": self.results,
+                "history": dict(self.results_history),
+                "outside": dict(self.outside_count),
+            },
+            fileobj,
+        )
 
     def load(self, fileobj: BinaryIO) -> None:
         data = pickle.load(fileobj)
         self.results = data["results"]
         self.results_history = collections.defaultdict(list, data["history"])
+        self.replayed = dict(data.get("outside", {}))  # older checkpoints: nothing to drop
+        self.outside_count = {}
 
 
 def _reset() -> None:
@@ -172,6 +202,10 @@ class Accumulator(MutableMapping):
                 f"in accumulation mode only acc[{key!r}] += v / -= v are allowed, not "
                 f"assignment of {type(value).__name__}; assign inside `with acc.synchronized():`"
             )
+        from adaptrain.torch.data import current_dataloader
+
+        if current_dataloader() is None and not self._state.count_outside_update(current_epoch()):
+            return  # replayed after a restart: already in the checkpointed results
         updates = self._state.updates
         updates[key] = updates[key] + value.update if key in updates else value.update
 
