@@ -115,17 +115,15 @@ class SparsifiedSGD(Optimizer):
         parameter's, widened (float32, then float64) where that dtype cannot hold every index
         of the parameter exactly (fp16 above 2048, bf16 above 256).
         """
-        found = [
-            (i, g["weight_decay"])
-            for i, (g, p) in enumerate((g, p) for g in self.param_groups for p in g["params"])
-            if p is param
-        ]
-        if not found:
+        index = next((i for i, p in enumerate(self._params()) if p is param), None)
+        if index is None:
             raise ValueError(
                 f"param of shape {tuple(param.shape)} is not optimized by this optimizer: pass "
                 "one of its parameters (or add it with add_param_group)"
             )
-        index, wd = found[0]
+        wd = next(
+            g["weight_decay"] for g in self.param_groups if any(q is param for q in g["params"])
+        )
         res = self._round(param, lr, wd, index, LocalCommunicator())
         dtype = res.values.dtype
         exact = {torch.float16: 2**11, torch.bfloat16: 2**8, torch.float32: 2**24}

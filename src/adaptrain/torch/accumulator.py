@@ -35,6 +35,7 @@ from collections.abc import Iterator, MutableMapping
 from typing import Any, BinaryIO
 
 from adaptrain.dist import checkpoint, collective
+from adaptrain.torch.data import current_dataloader
 from adaptrain.torch.epoch import current_epoch
 
 __all__ = ["Accumulator"]
@@ -51,8 +52,6 @@ class _AccumulatorState(checkpoint.State):
     init_count: collections.Counter = collections.Counter()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from adaptrain.torch.data import current_dataloader
-
         if current_dataloader() is not None:
             raise RuntimeError(
                 "an Accumulator may not be created inside a data-loader loop; create it before"
@@ -138,8 +137,6 @@ class Accumulator(MutableMapping):
         if self._synchronized is not None:
             yield self
             return
-        from adaptrain.torch.data import current_dataloader
-
         epoch = current_epoch()
         history = self._state.results_history
         for key in list(history):
@@ -202,8 +199,6 @@ class Accumulator(MutableMapping):
                 f"in accumulation mode only acc[{key!r}] += v / -= v are allowed, not "
                 f"assignment of {type(value).__name__}; assign inside `with acc.synchronized():`"
             )
-        from adaptrain.torch.data import current_dataloader
-
         if current_dataloader() is None and not self._state.count_outside_update(current_epoch()):
             return  # replayed after a restart: already in the checkpointed results
         updates = self._state.updates
