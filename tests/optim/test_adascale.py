@@ -858,3 +858,88 @@ def test_ddp_gradient_as_bucket_view_accumulates():
     res = spawn(_bucket_views, 2, timeout=120)
     for r in res:
         np.testing.assert_allclose(r[True], r[False], rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_squared_norms_through_the_reused_buffer_are_bitwise_pow_sum(dtype):
+    from adaptrain.optim.adascale import _SCRATCH_MAX, _SCRATCH_MIN
+
+    opt = AdaScale(
+        torch.optim.SGD(make_model().parameters(), lr=0.1), num_gradients_to_accumulate=2
+    )
+    g = torch.Generator().manual_seed(0)
+    results = []
+    for n in (_SCRATCH_MIN - 1, _SCRATCH_MIN, 50_000, 3 * 2**17, _SCRATCH_MAX + 1):
+        grad = torch.randn(n, generator=g, dtype=dtype) * 1e-3 + 1e-4
+        views = [grad]
+        if n % 512 == 0:
+            views += [grad.view(-1, 512), grad.view(-1, 512).t()]  # 2-D, non-contiguous
+        for v in views:
+            got = opt._sqr(v)
+            assert got.dtype == dtype and got.shape == ()
+            assert torch.equal(got, v.pow(2).sum()), (n, v.shape)
+            results.append((got, got.clone()))
+    assert opt._scratch, "the buffer path was not taken"
+    for got, copy_ in results:  # later calls reuse the buffer, not the results
+        assert torch.equal(got, copy_)
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_state_edited_in_place_or_replaced_is_what_gain_and_step_read(debias):
+    """The averages are read through a cache of the state tensors; an edit must be seen."""
+
+    def make():
+        model = make_model()
+        opt = AdaScale(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            num_gradients_to_accumulate=2,
+            debias_ewma=debias,
+        )
+        train(model, opt, 3, 2)
+        opt.gain()  # read (and cache) the state before it is edited
+        return model, opt
+
+    (m_in, in_place), (m_new, replaced), (m_ref, ref) = make(), make(), make()
+    sqr = float(ref._state["grad_sqr_avg"][0])
+    edits = {"grad_var_avg": 3.0 * sqr}
+    edits.update(
+        {"grad_sqr_avg_biased": 0.5, "grad_var_avg_unbias": 0.25}
+        if debias
+        else {"grad_sqr_avg_total": 0.5, "grad_var_avg_total": 0.25}
+    )
+    for key, value in edits.items():
+        in_place.state["adascale"][key].fill_(value)
+        replaced.state["adascale"][key] = torch.tensor([value], dtype=torch.float64)
+    expected = (3 * sqr + sqr) / (3 * sqr / 2 + sqr)  # S = 2
+    assert in_place.gain() == replaced.gain() == pytest.approx(expected, rel=1e-12)
+    assert ref.gain() != pytest.approx(expected, rel=1e-3)
+    # the next step's averages start from the edited state
+    gains = [train(m, o, 2, 2, seed=4) for m, o in ((m_in, in_place), (m_new, replaced))]
+    assert gains[0] == gains[1] != train(m_ref, ref, 2, 2, seed=4)
+    for key, value in in_place._state.items():
+        torch.testing.assert_close(value, replaced._state[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.parametrize("debias", [True, False])
+def test_non_finite_gradients_in_one_group_leave_every_group_unchanged(debias):
+    """A non-finite sample in one group leaves the averages of every group as they were (the
+    averages are updated as one vector; the arithmetic is per group)."""
+    model = make_model()
+    inner = torch.optim.SGD(
+        [{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.0
+    )
+    opt = AdaScale(inner, num_gradients_to_accumulate=2, debias_ewma=debias)
+    train(model, opt, 4, 2)
+    state = {k: v.clone() for k, v in opt._state.items()}
+    gains = [opt.gain(), opt.gain(0), opt.gain(1)]
+    opt.zero_grad()
+    data = batches(9)
+    for _ in range(2):
+        # NaN gradients for model[0].bias (group 0) only
+        (loss_of(model, next(data)) / 2 + model[0].bias.sum() * math.nan).backward()
+    assert math.isnan(float(model[0].bias.grad.pow(2).sum()))
+    assert all(math.isfinite(float(p.grad.pow(2).sum())) for p in model[2].parameters())
+    opt.step()
+    assert [opt.gain(), opt.gain(0), opt.gain(1)] == gains
+    for k, v in opt._state.items():
+        torch.testing.assert_close(v, state[k], msg=k)

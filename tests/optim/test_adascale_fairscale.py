@@ -199,3 +199,90 @@ def test_where_fairscale_is_polluted_adaptrain_is_not(case):
     np.testing.assert_allclose(clean_ours, clean_fs, rtol=1e-6)
     assert np.abs(disturbed(FairscaleAdaScale) / clean_fs - 1).max() > 1e-2  # fairscale drifts
     np.testing.assert_allclose(disturbed(AdaScale), clean_ours, rtol=1e-9)
+
+
+class _RecordingSGDGroups(torch.optim.SGD):
+    """Plain SGD that remembers every group's learning rate at each step."""
+
+    def step(self, closure=None):
+        self.seen_lrs = [g["lr"] for g in self.param_groups]
+        return super().step(closure)
+
+
+def _wide_model():
+    """An MLP whose 256×256 layer (65536 entries) takes the reused-buffer path of the squared
+    norms (``_SCRATCH_MIN`` = 32768 entries); the others take the plain one."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 256),
+        torch.nn.Tanh(),
+        torch.nn.Linear(256, 10),
+    )
+
+
+def _two_groups_run(cls, model, steps, c=3, scaler=None):
+    """Two param groups, ``c``-step accumulation, a LambdaLR stepped every step, optionally a
+    GradScaler: (gains [all, group 0, group 1] before each step, lrs the SGD saw, params)."""
+    from adaptrain.optim.adascale import _SCRATCH_MIN
+
+    assert max(p.numel() for p in model.parameters()) >= _SCRATCH_MIN
+    x, y = _digits()
+    inner = _RecordingSGDGroups(
+        [
+            {"params": list(model[0].parameters())},
+            {"params": list(model[2].parameters()) + list(model[4].parameters()), "lr": 0.02},
+        ],
+        lr=0.05,
+        momentum=0.9,
+    )
+    opt = cls(inner, world_size=1, num_gradients_to_accumulate=c)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda=lambda s: 0.9 ** (s // 5))
+    g = torch.Generator().manual_seed(5)
+    gains, lrs = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        for _ in range(c):
+            idx = torch.randint(0, len(x), (8,), generator=g)
+            loss = F.cross_entropy(model(x[idx]), y[idx]) / c
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        gains.append([float(opt.gain()), float(opt.gain(0)), float(opt.gain(1))])
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        lrs.append(inner.seen_lrs)
+        sched.step()
+    if hasattr(opt, "unhook"):
+        opt.unhook()
+    return np.array(gains), np.array(lrs), [p.detach().clone() for p in model.parameters()]
+
+
+def test_two_param_groups_scheduler_and_grad_scaler_match_fairscale():
+    """Per-group and overall gains and the scheduled, scaled LRs against fairscale, with a
+    parameter large enough for the reused squared-norm buffer; under a GradScaler (whose scale
+    grows during the run) adaptrain's numbers stay those of the unscaled run."""
+    from fairscale.optim.adascale import AdaScale as FairscaleAdaScale
+
+    steps = 40
+    base = _wide_model()
+    g_fs, lr_fs, p_fs = _two_groups_run(FairscaleAdaScale, copy.deepcopy(base), steps)
+    g_ours, lr_ours, p_ours = _two_groups_run(AdaScale, copy.deepcopy(base), steps)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    g_amp, lr_amp, p_amp = _two_groups_run(AdaScale, copy.deepcopy(base), steps, scaler=scaler)
+    assert scaler.get_scale() >= 2.0**18  # the loss scale changed under the statistics
+    assert g_ours[:, 1:].max() > 1.2  # non-trivial per-group gains
+    np.testing.assert_allclose(g_ours, g_fs, rtol=1e-6, atol=0)
+    np.testing.assert_allclose(g_amp, g_ours, rtol=1e-9, atol=0)
+    sched = np.array([0.9 ** (s // 5) for s in range(steps)])
+    for lr in (lr_ours, lr_amp):  # each group's base LR × schedule × that group's gain
+        np.testing.assert_allclose(lr[:, 0], 0.05 * sched * g_ours[:, 1], rtol=1e-9)
+        np.testing.assert_allclose(lr[:, 1], 0.02 * sched * g_ours[:, 2], rtol=1e-9)
+    np.testing.assert_allclose(lr_fs, lr_ours, rtol=1e-6)
+    for a, b, c in zip(p_ours, p_fs, p_amp):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c, a)
