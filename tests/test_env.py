@@ -31,6 +31,7 @@ def test_adaptrain_variables_win_outside_torchrun(monkeypatch):
 
 
 def test_torchrun_rendezvous_wins_under_torchrun(monkeypatch, caplog):
+    monkeypatch.setattr(env, "_warned", set(), raising=False)  # each stray value is warned of once
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
     monkeypatch.setenv("MASTER_PORT", "1111")
     monkeypatch.setenv("ADAPTRAIN_MASTER_PORT", "2222")

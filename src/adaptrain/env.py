@@ -146,17 +146,23 @@ def _rendezvous(ours: str, torchrun: str) -> tuple[str, ...]:
     first when torchrun launched this process (its workers join the agent's store with those;
     a stray ``ADAPTRAIN_*`` value would hang the rendezvous)."""
     if launched_by_torchrun() and _get(torchrun) is not None:
-        mine = _get(ours)
-        if mine is not None and mine != _get(torchrun):
+        mine, theirs = _get(ours), _get(torchrun)
+        if mine is not None and mine != theirs and (ours, mine, theirs) not in _warned:
+            # Once per value: the accessors are read at every step (num_nodes() by the
+            # step-time profile), and one warning says it all.
+            _warned.add((ours, mine, theirs))
             logger.warning(
                 "%s=%s ignored: torchrun's %s=%s is where its workers meet",
                 ours,
                 mine,
                 torchrun,
-                _get(torchrun),
+                theirs,
             )
         return (torchrun,)
     return (ours, torchrun)
+
+
+_warned: set[tuple[str, str, str]] = set()  # (our variable, its value, torchrun's) warned of
 
 
 def master_addr() -> str:

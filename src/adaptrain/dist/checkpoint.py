@@ -107,6 +107,19 @@ class _HashingWriter(io.RawIOBase):
         return self._sha.hexdigest()
 
 
+def _entry_file(entry: object) -> str | None:
+    """The file name of a manifest entry, or None if the entry is malformed (not a dict with a
+    plain file name of the checkpoint's own directory and a SHA-256 string)."""
+    if not isinstance(entry, dict):
+        return None
+    fname, digest = entry.get("file"), entry.get("sha256")
+    if not isinstance(fname, str) or not isinstance(digest, str):
+        return None
+    if fname in ("", ".", "..", _MANIFEST) or "/" in fname or os.sep in fname:
+        return None
+    return fname
+
+
 def _sha256_file(path: str) -> str:
     sha = hashlib.sha256()
     with open(path, "rb", buffering=0) as f:
@@ -119,9 +132,10 @@ def _verify_in_background(ckpt_dir: str) -> None:
     """Start hashing every file of ``ckpt_dir``'s manifest on a daemon thread (best effort)."""
     try:
         entries = _read_manifest(ckpt_dir)["states"].values()
-        paths = [os.path.join(ckpt_dir, e["file"]) for e in entries]
-    except (RuntimeError, KeyError, TypeError):
+    except RuntimeError:
         return  # load_state reports the problem when a State asks for its entry
+    # (a malformed entry is left to load_state too)
+    paths = [os.path.join(ckpt_dir, f) for f in map(_entry_file, entries) if f is not None]
     jobs = []
     for path in paths:
         fut: Future = Future()
@@ -301,15 +315,29 @@ def restore_dir(*, agree: bool = False) -> str | None:
     checkpoint as rank 0, or fails loudly reading it, instead of silently restoring an older
     one.
 
+    Checkpointing must be on everywhere or nowhere: with ``agree``, a replica without
+    ``ADAPTRAIN_CHECKPOINT_PATH`` beside one with it (it would restore nothing, and leave the
+    others waiting in the first checkpoint's collectives), or one whose folder is missing,
+    makes every replica raise, naming the ranks.
+
     Raises:
         RuntimeError: with ``agree``, this replica had already chosen another checkpoint (a
-            State loaded before ``init_process_group``).
+            State loaded before ``init_process_group``), or the replicas disagree on whether
+            checkpointing is on, or a replica's checkpoint folder does not exist.
     """
     if agree and collective.is_distributed():
         chosen = _loaded_from_chosen
-        ours = _loaded_from if chosen or _rank() != 0 else _newest()
+        ours = problem = None
+        try:
+            ours = _loaded_from if chosen or _rank() != 0 else _newest()
+            checkpoint_root()  # every replica's own folder must exist
+        except RuntimeError as exc:
+            problem = str(exc)
         mine = None if ours is None else os.path.basename(ours)
-        name = collective.broadcast(mine)
+        # Everybody's view, in rank order: (checkpointing on, problem, choice).
+        views = collective.allreduce([(env.checkpoint_path() is not None, problem, mine)])
+        _check_views(views)
+        name = views[0][2]
         root = checkpoint_root()
         if not chosen:
             _choose(None if name is None or root is None else os.path.join(root, name))
@@ -322,6 +350,30 @@ def restore_dir(*, agree: bool = False) -> str | None:
     elif not _loaded_from_chosen:
         _choose(_newest())
     return _loaded_from
+
+
+def _check_views(views: list) -> None:
+    """Raise (on every replica alike) unless every replica's checkpoint folder is usable and
+    checkpointing is on everywhere or nowhere."""
+    problems = [(r, p) for r, (_, p, _) in enumerate(views) if p]
+    if problems:
+        rank, problem = problems[0]
+        raise RuntimeError(
+            f"rank {rank} cannot use its checkpoint folder: {problem}"
+            + (
+                f" (ranks {[r for r, _ in problems]} have the same kind of problem)"
+                if len(problems) > 1
+                else ""
+            )
+        )
+    on = [r for r, (is_on, _, _) in enumerate(views) if is_on]
+    if on and len(on) != len(views):
+        off = [r for r in range(len(views)) if r not in on]
+        raise RuntimeError(
+            f"ADAPTRAIN_CHECKPOINT_PATH is set on rank(s) {on} but not on rank(s) {off}: set it "
+            "on every replica (the same folder, wherever it is mounted) or on none; a replica "
+            "without it would neither restore nor take part in checkpoints"
+        )
 
 
 def _newest() -> str | None:
@@ -352,7 +404,15 @@ def load_state(state: State) -> bool:
     entry = _read_manifest(ckpt_dir)["states"].get(state.name)
     if entry is None:
         return False
-    path = os.path.join(ckpt_dir, entry["file"])
+    fname = _entry_file(entry)
+    if fname is None:
+        raise RuntimeError(
+            f"corrupt checkpoint manifest {os.path.join(ckpt_dir, _MANIFEST)}: the entry of "
+            f"state {state.name!r} is {entry!r:.200}, not {{'file': <a file name in {ckpt_dir}>, "
+            f"'sha256': ...}}; delete {ckpt_dir} to start afresh (older checkpoints are removed "
+            "after each save)"
+        )
+    path = os.path.join(ckpt_dir, fname)
     verdict = _verdicts.pop(path, None)
     try:
         digest = verdict.result() if verdict is not None else _sha256_file(path)
@@ -443,40 +503,76 @@ def save_all_states() -> bool:
 
     Returns False (and does nothing) when checkpointing is off, True once the new checkpoint is
     in place; every replica returns only after rank 0 has finished writing.
+
+    Raises:
+        RuntimeError: on every replica but rank 0, when rank 0 could not write the checkpoint
+            (rank 0 raises its own error). Every State is synced all the same, so the replicas'
+            collectives stay in step and a caught error leaves them able to go on.
     """
     global _loaded_from, _loaded_from_chosen
-    root = checkpoint_root()
-    if root is None:
+    if env.checkpoint_path() is None:
         return False
-    seq = None
-    if _rank() == 0:
-        dirs = _seq_dirs(root)
-        seq = dirs[-1][0] + 1 if dirs else 0
+    rank0 = _rank() == 0
+    error: Exception | None = None
+    seq = tmp = None
+    if rank0:
+        try:
+            root = checkpoint_root()
+            dirs = _seq_dirs(root)
+            seq = dirs[-1][0] + 1 if dirs else 0
+            tmp = os.path.join(root, f".tmp-checkpoint-{seq:06d}-{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except Exception as exc:  # noqa: BLE001 - every replica hears of it below
+            error = exc
     seq = collective.broadcast(seq)
-    tmp = os.path.join(root, f".tmp-checkpoint-{seq:06d}-{os.getpid()}")
-    final = os.path.join(root, f"checkpoint-{seq:06d}")
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
     manifest: dict = {"format": _FORMAT, "states": {}}
     for name in sorted(_registry):  # same order on every replica: sync() may be collective
         state = _registry[name]
         state.sync()
-        if _rank() == 0:
-            manifest["states"][name] = _write_state_file(state, tmp)[1]
-    if _rank() == 0:
-        _write_manifest(tmp, manifest)  # last: a directory without it is never renamed
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(root)
+        if rank0 and error is None:
+            try:
+                manifest["states"][name] = _write_state_file(state, tmp)[1]
+            except Exception as exc:  # noqa: BLE001 - the other States still sync
+                error = exc
+    final = None
+    if rank0 and error is None:
+        try:
+            final = _publish(root, tmp, seq, manifest)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    # Rank 0's verdict doubles as the barrier: nobody returns before the checkpoint is whole.
+    failed = collective.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise RuntimeError(
+            f"rank 0 could not write the checkpoint ({failed}); no checkpoint was saved and the "
+            "previous one, if any, is kept"
+        )
+    if final is None:
+        final = os.path.join(checkpoint_root(), f"checkpoint-{seq:06d}")
+    # Later load_state calls in this process see what was just saved.
+    _loaded_from, _loaded_from_chosen = final, True
+    _verdicts.clear()
+    return True
+
+
+def _publish(root: str, tmp: str, seq: int, manifest: dict) -> str:
+    """Rank 0: manifest last, rename ``tmp`` into place, then delete older checkpoints and
+    dead writers' debris. Returns the checkpoint's path."""
+    final = os.path.join(root, f"checkpoint-{seq:06d}")
+    _write_manifest(tmp, manifest)  # last: a directory without it is never renamed
+    _fsync_dir(tmp)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    logger.info("saved %d states to %s", len(manifest["states"]), final)
+    try:  # the checkpoint is in place: a failed clean-up is no failed save
         for _, old in _seq_dirs(root)[:-1]:
             shutil.rmtree(old, ignore_errors=True)
         for entry in os.listdir(root):
             if entry.startswith(".tmp-checkpoint-") and not _writer_alive(entry):
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-        logger.info("saved %d states to %s", len(_registry), final)
-    collective.barrier()
-    # Later load_state calls in this process see what was just saved.
-    _loaded_from, _loaded_from_chosen = final, True
-    _verdicts.clear()
-    return True
+    except OSError as exc:
+        logger.warning("checkpoint %s saved, but older ones were not cleaned up: %s", final, exc)
+    return final

@@ -180,6 +180,7 @@ def spawn(
     failures: list[tuple[int, str]] = []
     exited: dict[int, float] = {}  # rank -> when it was first seen ended without a result
     deadline = time.monotonic() + timeout
+    finished = False  # every rank reported a result: the processes are on their way out
     try:
         while len(results) + len(failures) < world_size:
             remaining = deadline - time.monotonic()
@@ -231,10 +232,13 @@ def spawn(
         if failures:
             report = "\n".join(f"--- rank {r} of {world_size} raised:\n{tb}" for r, tb in failures)
             raise SpawnError(report)
+        finished = True
         return [results[r] for r in range(world_size)]
     finally:
+        # Only a group that finished gets time to exit; after a failure, a timeout or a death
+        # the rest are likely blocked (in a collective, or hung) and are killed at once.
         for p in procs:
-            p.join(timeout=0 if failures else 5)
+            p.join(timeout=5 if finished else 0)
         for p in procs:
             if p.is_alive():
                 p.kill()
