@@ -200,3 +200,35 @@ def test_cli_plot_into_a_missing_folder(tiny_traces, tmp_path, capsys):
     assert main([*args, "--plot", os.path.join(blocker, "out.png")]) == 2
     captured = capsys.readouterr()
     assert "--plot" in captured.err and "avg JCT" not in captured.out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc, a folder no one can write")
+def test_cli_plot_that_cannot_be_written_is_reported_before_simulating(
+    tiny_traces, tmp_path, capsys
+):
+    pytest.importorskip("matplotlib")
+    wl = _workload(tmp_path, [("a", 0, "toy", 1, 8)])
+    png = "/proc/adaptrain-review-s20.png"
+    rc = main(["simulate", wl, "--traces", tiny_traces, "--policy", "tiresias", "--plot", png])
+    assert rc == 2
+    captured = capsys.readouterr()
+    assert "--plot /proc/adaptrain-review-s20.png: cannot write it" in captured.err
+    assert "avg JCT" not in captured.out  # nothing simulated first
+
+
+def test_cli_workload_that_is_not_utf8_or_is_a_folder(tiny_traces, tmp_path, capsys):
+    binary = os.path.join(str(tmp_path), "binary.csv")
+    with open(binary, "wb") as f:
+        f.write(b"\xff\xfe\x00name,time\n")
+    assert main(["simulate", binary, "--traces", tiny_traces]) == 2
+    err = capsys.readouterr().err
+    assert "binary.csv" in err and "not a UTF-8 CSV file" in err and "Traceback" not in err
+    assert main(["simulate", str(tmp_path), "--traces", tiny_traces]) == 2
+    assert "is a folder; give a WORKLOAD.csv file" in capsys.readouterr().err
+
+
+def test_cli_empty_workload_warns(tiny_traces, tmp_path, capsys):
+    wl = _workload(tmp_path, [])
+    assert main(["simulate", wl, "--traces", tiny_traces, "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "has no jobs" in captured.err and "(0 jobs)" in captured.out

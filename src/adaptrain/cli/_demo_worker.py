@@ -30,6 +30,7 @@ import adaptrain.checkpoint as checkpoint
 import adaptrain.collective as collective
 import adaptrain.torch as adl
 from adaptrain import env
+from adaptrain.cli.demo import MIN_LOCAL_BSZ, SEQ_LEN
 from adaptrain.torch import _metrics
 from adaptrain.workloads import CharLM, charlm_datasets, charlm_loss
 
@@ -115,7 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--max-chars", type=int, default=2_000_000)
-    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--reoptimize-every", type=int, default=25)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-bar", action="store_true", help="plain log lines instead of a tqdm bar")
@@ -203,9 +204,9 @@ def summary_lines(state: DemoState, args: argparse.Namespace, replicas: int) -> 
             f"({len(state.valid)} evaluations)"
         )
     out = Path(args.out)
-    lines.append(
-        f"  outputs              {out / 'demo.png'}, {out / 'summary.json'}, {out / 'tensorboard'}"
-    )
+    outputs = [] if args.no_plot or not h else [out / "demo.png"]
+    outputs += [out / "summary.json", out / "tensorboard"]
+    lines.append(f"  outputs              {', '.join(map(str, outputs))}")
     return lines
 
 
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     train_loader = adl.AdaptiveDataLoader(train_set, batch_size=args.batch_size, shuffle=True)
     train_loader.autoscale_batch_size(
         args.max_batch_size,
-        local_bsz_bounds=(8, args.max_local_bsz),
+        local_bsz_bounds=(MIN_LOCAL_BSZ, args.max_local_bsz),
         gradient_accumulation=True,
     )
     train_loader._elastic.reoptimize_every = args.reoptimize_every
@@ -292,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         if tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            writer = SummaryWriter(tb, purge_step=state.steps + 1 if state.steps else None)
+            # Steps are numbered from 1: events of an earlier run at this step or later (steps
+            # trained after the checkpoint, or a whole run before --fresh or before a first
+            # checkpoint) are dropped by TensorBoard instead of mixed with this run's.
+            writer = SummaryWriter(tb, purge_step=state.steps + 1)
         if not args.no_bar:
             from tqdm import tqdm
 

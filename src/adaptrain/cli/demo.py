@@ -10,6 +10,7 @@ command again resumes from that checkpoint.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import subprocess
@@ -61,7 +62,7 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
     ]
     if args.no_plot:
         cmd.append("--no-plot")
-    if args.no_bar:
+    if args.no_bar or not sys.stderr.isatty():  # a log file gets lines, not a bar's \r updates
         cmd.append("--no-bar")
     cmd.append(f"--max-chars={args.max_chars}")
     return cmd
@@ -122,13 +123,88 @@ def _kill_tree(pid: int) -> None:
                 pass
 
 
-def run(args: argparse.Namespace) -> int:
+#: Smallest local batch autoscaling may pick (the worker's ``local_bsz_bounds`` minimum).
+MIN_LOCAL_BSZ = 8
+#: The worker's window length; the 5% validation split must hold one window plus a character.
+SEQ_LEN = 64
+MIN_CHARS = math.ceil((SEQ_LEN + 1) / 0.05)
+
+
+def _check_arguments(args: argparse.Namespace) -> str | None:
+    """The first bad argument and its fix, or None (checked before torchrun starts: a bad value
+    would otherwise end in a traceback from every replica)."""
     if args.replicas < 1:
-        raise SystemExit(f"--replicas={args.replicas}: give at least 1")
-    if args.minutes <= 0:
-        raise SystemExit(f"--minutes={args.minutes}: give a positive time budget")
+        return f"--replicas={args.replicas}: give at least 1"
+    if not (math.isfinite(args.minutes) and args.minutes > 0):
+        return f"--minutes={args.minutes}: give a positive, finite time budget (e.g. --minutes 3)"
+    if args.batch_size < 1:
+        return f"--batch-size={args.batch_size}: give a positive initial global batch size"
+    if args.max_batch_size < max(args.batch_size, MIN_LOCAL_BSZ):
+        return (
+            f"--max-batch-size={args.max_batch_size}: give at least the initial "
+            f"--batch-size={args.batch_size} and at least {MIN_LOCAL_BSZ} (the smallest local "
+            "batch autoscaling uses)"
+        )
+    if args.max_chars < MIN_CHARS:
+        return (
+            f"--max-chars={args.max_chars}: give at least {MIN_CHARS} (the 5% validation split "
+            f"needs one {SEQ_LEN}-character window)"
+        )
+    return None
+
+
+def _lock(out: Path) -> int | None:
+    """An exclusive lock on ``out/.lock`` held by this launcher and its torchrun (the file
+    descriptor is passed on), so that a second demo started on the same ``--out`` stops with a
+    message instead of sharing the checkpoint folder. None where ``fcntl`` is missing;
+    ``BlockingIOError`` if another demo holds the lock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise
+    except OSError:  # a file system without locks: go on unguarded
+        os.close(fd)
+        return None
+    return fd
+
+
+def run(args: argparse.Namespace) -> int:
+    problem = _check_arguments(args)
+    if problem is not None:
+        print(f"adaptrain demo: {problem}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     ckpt = out / "checkpoint"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock_fd = _lock(out)
+    except BlockingIOError:
+        print(
+            f"adaptrain demo: another adaptrain demo is running with --out {out}; wait for it "
+            "to end or give another --out",
+            file=sys.stderr,
+        )
+        return 2
+    except OSError as exc:
+        print(
+            f"adaptrain demo: --out {out}: cannot use it as the output folder ({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return _run_locked(args, out, ckpt, lock_fd)
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
+
+
+def _run_locked(args: argparse.Namespace, out: Path, ckpt: Path, lock_fd: int | None) -> int:
     if args.fresh and ckpt.exists():
         import shutil
 
@@ -156,7 +232,12 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
         if sig is not None
     }
-    proc = subprocess.Popen(_worker_command(args), env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        _worker_command(args),
+        env=env,
+        start_new_session=True,
+        pass_fds=() if lock_fd is None else (lock_fd,),
+    )
     interrupted = False
     try:
         while True:

@@ -129,7 +129,17 @@ def run(args: argparse.Namespace) -> int:
         _check_settings(args)
         if args.plot:
             _prepare_plot(args.plot)
-        workload = load_workload(args.workload)
+        if os.path.isdir(args.workload):
+            raise ValueError(f"{args.workload!r} is a folder; give a WORKLOAD.csv file")
+        try:
+            workload = load_workload(args.workload)
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"workload {args.workload!r} is not a UTF-8 CSV file ({exc.reason} at byte "
+                f"{exc.start})"
+            ) from None
+        if not workload:
+            print(f"adaptrain simulate: warning: {args.workload!r} has no jobs", file=sys.stderr)
         apps = load_applications(args.traces, sorted({w.application for w in workload}))
         sims = {
             name: Simulator(
@@ -177,15 +187,21 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from adaptrain.sched.plot import plot_results
 
-        plot_results(results, args.plot, gpus=args.nodes * args.gpus_per_node)
+        try:
+            plot_results(results, args.plot, gpus=args.nodes * args.gpus_per_node)
+        except OSError as exc:
+            print(
+                f"adaptrain simulate: --plot {args.plot}: cannot write it ({exc})", file=sys.stderr
+            )
+            return 1
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0
 
 
 def _prepare_plot(path: str) -> None:
-    """Before simulating: matplotlib is importable and ``path``'s folder exists (created if
-    missing); ``ValueError`` otherwise."""
+    """Before simulating: matplotlib is importable, ``path``'s folder exists (created if
+    missing) and ``path`` can be written; ``ValueError`` otherwise."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
@@ -197,3 +213,11 @@ def _prepare_plot(path: str) -> None:
         raise ValueError(f"--plot {path}: cannot create folder {folder!r} ({exc})") from exc
     if os.path.isdir(path):
         raise ValueError(f"--plot {path} is a folder; give a file name such as {path}/out.png")
+    existed = os.path.exists(path)
+    try:  # writable? (found now, not after a simulation of minutes)
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--plot {path}: cannot write it ({exc})") from exc
+    if not existed:
+        os.remove(path)

@@ -1,10 +1,15 @@
 """Character-level language modelling on the Python standard library's own source code.
 
 The corpus is the text of the ``.py`` files under ``sysconfig.get_paths()["stdlib"]`` on this
-machine (third-party ``site-packages`` excluded), read in sorted path order and capped at
-``max_chars`` characters, so it is real text available offline and deterministic for a given
-Python installation. Characters map to a fixed vocabulary: index 0 is "unknown", then tab,
-newline and the 95 printable ASCII characters (98 symbols).
+machine, read in sorted path order and capped at ``max_chars`` characters, so it is real text
+available offline. Excluded are third-party packages (``site-packages``, ``dist-packages``) and
+the files a build or a distribution writes for one machine: ``_sysconfigdata*.py`` (the install
+prefix, compiler and flags), the ``config-*`` build folder and ``sitecustomize.py``. The corpus
+is therefore the same on every machine with the same Python version from the same source (e.g.
+every pyenv or python.org 3.11.7, wherever installed); another patch version, or a
+distribution's patched standard library (Debian's, say), gives another corpus, so replicas on
+several machines need the same Python. Characters map to a fixed vocabulary: index 0 is
+"unknown", then tab, newline and the 95 printable ASCII characters (98 symbols).
 
 The model (:class:`CharLM`) is an embedding → GRU → linear next-character predictor, small
 enough to train a few steps per second on one CPU core at batch 32 × 64 characters.
@@ -61,21 +66,32 @@ def decode(ids: torch.Tensor | np.ndarray | list[int]) -> str:
     return "".join(chars)
 
 
+#: Folders not read: third-party packages, bytecode, the build's ``config-3.11-<platform>``.
+_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
+#: Files written for one machine (install prefix, compiler flags, local site configuration).
+_SKIP_FILE_PREFIXES = ("_sysconfigdata", "sitecustomize.py")
+
+
 def _stdlib_files(root: Path) -> list[Path]:
     files: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(
-            d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")
+            d for d in dirnames if d not in _SKIP_DIRS and not d.startswith("config-")
         )
-        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
+        files.extend(
+            Path(dirpath) / f
+            for f in sorted(filenames)
+            if f.endswith(".py") and not f.startswith(_SKIP_FILE_PREFIXES)
+        )
     return files
 
 
 def stdlib_text(max_chars: int = 1_000_000, root: str | os.PathLike[str] | None = None) -> str:
     """Concatenated source of the standard library's ``.py`` files, at most ``max_chars`` long.
 
-    Files are read in sorted path order (UTF-8, undecodable bytes replaced), each followed by a
-    newline, until ``max_chars`` characters are collected.
+    Files are read in sorted path order (UTF-8, undecodable bytes replaced, line endings as
+    ``\\n``), each followed by a newline, until ``max_chars`` characters are collected; the
+    machine-specific files the module docstring lists are left out.
 
     Args:
         max_chars: cap on the corpus length.
@@ -142,7 +158,8 @@ class CharLMDataset(Dataset):
 
 
 def _cache_path(cache_dir: str | os.PathLike[str], max_chars: int, root: str | None) -> Path:
-    key = f"{sys.version}|{root or sysconfig.get_paths()['stdlib']}|{max_chars}"
+    # "v2": the corpus without the machine-specific files (an older cache holds them).
+    key = f"v2|{sys.version}|{root or sysconfig.get_paths()['stdlib']}|{max_chars}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return Path(cache_dir) / f"charlm-{digest}.npy"
 

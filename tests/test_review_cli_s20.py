@@ -1,0 +1,158 @@
+"""Review of ``adaptrain demo`` and the workloads: argument checks, a second demo on the same
+``--out``, a non-terminal log, TensorBoard events of an earlier run, a machine-independent corpus.
+
+Real processes (launcher → torchrun → replicas); one replica and a short budget keep each run to
+a few seconds of training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaptrain.workloads import stdlib_text
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _demo(out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``adaptrain demo`` on one replica, stdout and stderr captured (pipes: not a terminal)."""
+    cmd = [
+        sys.executable,
+        "-c",  # what the `adaptrain` script runs (-m adaptrain.cli._main warns on stderr)
+        "import sys; from adaptrain.cli import main; sys.exit(main())",
+        "demo",
+        "--out",
+        str(out),
+        "--replicas",
+        "1",
+        "--max-chars",
+        "60000",
+        "--no-plot",
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # the launcher stops its torchrun (own session) too
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # a second signal kills the tree
+            stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"adaptrain demo {extra} still ran after {timeout} s: {stdout[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--minutes", "nan"),  # trained forever: `elapsed >= nan` is never true
+        ("--minutes", "inf"),
+        ("--batch-size", "0"),  # these three ended in a traceback from every replica
+        ("--max-batch-size", "16"),  # below the initial --batch-size 32
+        ("--max-chars", "1000"),  # no validation window
+    ],
+)
+@pytest.mark.timeout(180)
+def test_demo_rejects_bad_values_before_starting_torchrun(tmp_path, flag, value):
+    res = _demo(tmp_path / "out", "--minutes", "0.02", "--no-bar", flag, value, timeout=60)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    assert res.stderr.startswith("adaptrain demo: ") and f"{flag}={value}" in res.stderr
+    assert "Traceback" not in res.stdout + res.stderr
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
+def test_a_second_demo_on_the_same_out_is_refused(tmp_path):
+    import fcntl
+
+    out = tmp_path / "out"
+    out.mkdir()
+    # what a running demo holds: the launcher's lock on out/.lock
+    with open(out / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        res = _demo(out, "--minutes", "0.02", "--no-bar", timeout=90)
+    assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
+    assert "another adaptrain demo is running" in res.stderr and str(out) in res.stderr
+    assert not list((out / "checkpoint").glob("checkpoint-*"))
+    assert not (out / "summary.json").exists()
+    # once the lock is released, the demo runs (and releases the lock itself at the end)
+    ok = _demo(out, "--minutes", "0.02", "--no-bar")
+    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-3000:]
+    with open(out / ".lock", "w") as again:
+        fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+@pytest.mark.timeout(180)
+def test_not_a_terminal_gives_log_lines_and_the_summary_lists_real_outputs(tmp_path):
+    # one replica, an --out with a space, --no-plot, stderr a pipe and no --no-bar
+    out = tmp_path / "with space" / "demo"
+    res = _demo(out, "--minutes", "0.03")
+    both = res.stdout + res.stderr
+    assert res.returncode == 0, both[-3000:]
+    assert "\r" not in both  # no bar redrawn into a log
+    assert "] epoch 0 step " in res.stdout  # the plain progress lines instead
+    summary = (out / "summary.txt").read_text()
+    assert summary in res.stdout
+    assert "demo.png" not in summary and not (out / "demo.png").exists()  # --no-plot
+    assert f"{out / 'summary.json'}, {out / 'tensorboard'}" in summary
+    assert json.loads((out / "summary.json").read_text())["replicas"] == 1
+
+
+@pytest.mark.timeout(240)
+def test_a_fresh_run_hides_the_earlier_runs_tensorboard_events(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    first = _demo(out, "--minutes", "0.03", "--no-bar")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    second = _demo(out, "--minutes", "0.03", "--no-bar", "--fresh")
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 0 and len(summary["history"]) >= 1
+    ea = EventAccumulator(str(out / "tensorboard"))
+    ea.Reload()
+    steps = [e.step for e in ea.Scalars("demo/loss")]
+    # only the second run's records: the first run's, at the same steps, were purged
+    assert steps == [int(row[1]) for row in summary["history"]]
+
+
+def _fake_stdlib(root: Path, prefix: str) -> Path:
+    """A tiny standard library as one build installs it under ``prefix``."""
+    (root / "json").mkdir(parents=True)
+    (root / "abc.py").write_text("def f():\n    return 1\n" * 20)
+    (root / "json" / "__init__.py").write_text("import abc\n" * 10)
+    (root / "zipfile.py").write_text("class ZipFile:\n    pass\n" * 10)
+    (root / "_sysconfigdata__linux_x86_64-linux-gnu.py").write_text(
+        f"build_time_vars = {{'prefix': '{prefix}', 'CC': 'gcc -pthread'}}\n"
+    )
+    config = root / "config-3.11-x86_64-linux-gnu"
+    config.mkdir()
+    (config / "python-config.py").write_text(f"#!{prefix}/bin/python3.11\nprefix = '{prefix}'\n")
+    (root / "sitecustomize.py").write_text(f"# site configuration of {prefix}\n")
+    return root
+
+
+def test_the_corpus_does_not_depend_on_where_python_is_installed(tmp_path):
+    # The same Python version built and installed under two prefixes (two machines, two users'
+    # pyenv): the build writes the prefix into _sysconfigdata*.py and config-*/python-config.py.
+    a = _fake_stdlib(tmp_path / "a", "/root/.pyenv/versions/3.11.7")
+    b = _fake_stdlib(tmp_path / "b", "/home/someone/.local/python-3.11.7-with-a-longer-path")
+    text_a, text_b = stdlib_text(10_000, root=a), stdlib_text(10_000, root=b)
+    assert text_a == text_b  # replicas on both machines train on the same windows
+    assert "pyenv" not in text_a and "ZipFile" in text_a and "import abc" in text_a
