@@ -24,7 +24,7 @@ def _demo_cmd(out: Path, minutes: float, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "adaptrain.cli._main",
+        "adaptrain",
         "demo",
         "--minutes",
         str(minutes),
@@ -105,7 +105,7 @@ def test_demo_state_roundtrip():
 def test_demo_rejects_bad_arguments(tmp_path):
     for bad in (["--replicas", "0"], ["--minutes", "0"]):
         res = subprocess.run(
-            [sys.executable, "-m", "adaptrain.cli._main", "demo", "--out", str(tmp_path), *bad],
+            [sys.executable, "-m", "adaptrain", "demo", "--out", str(tmp_path), *bad],
             env=_env(),
             capture_output=True,
             text=True,

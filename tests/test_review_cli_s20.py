@@ -29,8 +29,8 @@ def _demo(out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedP
     """``adaptrain demo`` on one replica, stdout and stderr captured (pipes: not a terminal)."""
     cmd = [
         sys.executable,
-        "-c",  # what the `adaptrain` script runs (-m adaptrain.cli._main warns on stderr)
-        "import sys; from adaptrain.cli import main; sys.exit(main())",
+        "-m",  # what the `adaptrain` script runs
+        "adaptrain",
         "demo",
         "--out",
         str(out),

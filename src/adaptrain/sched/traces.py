@@ -55,7 +55,7 @@ APPLICATION_DEFAULTS: dict[str, dict[str, int]] = {
 
 
 def _read_csv(path: str) -> dict[str, np.ndarray]:
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader)
         rows = [row for row in reader if row]
@@ -294,7 +294,7 @@ def load_workload(path: str) -> list[WorkloadJob]:
         raise ValueError(f"workload file {path!r} does not exist")
     need = ("name", "time", "application", "num_replicas", "batch_size")
     jobs = []
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
