@@ -1,6 +1,8 @@
 """PowerSGD compression cost vs torch's own DDP hook, and bytes sent per step per compressor.
 
-Run: ``python benchmarks/bench_compression.py [--reps 7] [--steps 20] [--world-size 2]``
+Run: ``python benchmarks/bench_compression.py [--reps 7] [--steps 20] [--world-size 2]
+[--ranks 1 2 4]``; to time another checkout of the library against torch's hook with this script,
+put its ``src`` first on ``PYTHONPATH`` (the workers print which ``adaptrain`` they imported).
 
 Part 1 (time): for a set of gradient shapes, one "step" = one PowerSGD compress + all-reduce +
 decompress of all tensors (error feedback on, same rank, same seedless warm state), on
@@ -149,7 +151,10 @@ def _time_worker(rank, ws, shapes, rank_r, reps, steps):
             f"fails: {type(e).__name__}({str(e)[:80]!r}) raised in {frame.name}() "
             f"at {frame.filename.split('site-packages/')[-1]}:{frame.lineno}"
         )
+    import adaptrain
+
     return {
+        "adaptrain": adaptrain.__file__.rsplit("/adaptrain/", 1)[0],
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
@@ -210,7 +215,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -238,7 +243,10 @@ def main(argv=None) -> int:
                 f"{res['ratio_median']:.2f} [{res['ratio_min']:.2f}, {res['ratio_max']:.2f}] |",
                 flush=True,
             )
-    print(f"\nbatched_powerSGD_hook: {'; '.join(sorted(batched_msgs))}\n")
+    print(f"\nbatched_powerSGD_hook: {'; '.join(sorted(batched_msgs))}")
+    print(
+        f"adaptrain imported from: {', '.join(sorted({t['adaptrain'] for t in results['time']}))}\n"
+    )
     for model, shapes in MODELS.items():
         dense, rows = _bytes_table(shapes)
         results["bytes"][model] = rows

@@ -326,8 +326,8 @@ class PowerSGDHookState(_SlotState):
                     )
                 mem = fresh.memories[j] if mem is None else mem
                 q = fresh.qs[j] if q is None else q
-            mems.append(mem.to(device=g.device, dtype=g.dtype))
-            qs.append(q.to(device=g.device, dtype=g.dtype))
+            mems.append(_like(mem, g))
+            qs.append(_like(q, g))
         return PowerSGDState(tuple(mems), tuple(qs), self.step, seed, self.rank)
 
     def _store(self, keys: list[str], old: PowerSGDState, new: PowerSGDState) -> None:
@@ -377,13 +377,36 @@ def _from_bucket_states(states: dict[str, Any]) -> tuple[int, dict, dict]:
     return step, {k: v[1] for k, v in latest.items()}, {k: v[2] for k, v in latest.items()}
 
 
+def _like(t: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``g``'s device and in its dtype (itself when it already is)."""
+    return t if t.dtype == g.dtype and t.device == g.device else t.to(g.device, g.dtype)
+
+
+def _write_back_flat(
+    bucket: Any, canonical_outs: list[torch.Tensor], order: list[int]
+) -> torch.Tensor:
+    """The bucket buffer holding ``canonical_outs`` (canonical order) in bucket order: one
+    ``cat`` straight into the buffer instead of one copy per tensor."""
+    buf = bucket.buffer()
+    outs: list[torch.Tensor] = [torch.empty(0)] * len(order)
+    for pos, i in enumerate(order):
+        outs[i] = canonical_outs[pos].reshape(-1)
+    if sum(o.numel() for o in outs) == buf.numel() and all(o.dtype == buf.dtype for o in outs):
+        torch.cat(outs, out=buf)  # (a size mismatch would resize the buffer: not here)
+        return buf
+    return _write_back(bucket, outs)
+
+
 def powersgd_hook(
     state: PowerSGDHookState, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: PowerSGD-compressed mean of the bucket's gradients.
+    """DDP comm hook: PowerSGD-compressed mean of the bucket's gradients (Vogels et al., 2019,
+    arXiv:1905.13727; the update rule of :func:`adaptrain.core.compress.powersgd_update`).
 
-    If the bucket's all-reduced values are not finite (an fp16 overflow), the output is
-    non-finite, so a ``GradScaler`` skips the step, and the stored state is left unchanged.
+    Per bucket: two all-reduces (the uncompressed gradients with all ``P`` factors, then all
+    ``Q`` factors) and one host-device synchronisation (the finiteness verdict). If the
+    bucket's all-reduced values are not finite (an fp16 overflow), the output is non-finite,
+    so a ``GradScaler`` skips the step, and the stored state is left unchanged.
     """
     grads, order, keys, qidx, seed = state._slots(bucket)
     st = state._assemble(grads, keys, qidx, state.seed + seed)
@@ -399,7 +422,7 @@ def powersgd_hook(
     state._store(keys, st, new)
     if bucket.is_last():
         state._end_iteration()
-    return _done(_write_back_ordered(bucket, res.grads, order))
+    return _done(_write_back_flat(bucket, res.grads, order))
 
 
 class SparseHookState(_FlatMemoryState):

@@ -1,4 +1,5 @@
-"""PowerSGD optimizer (Vogels et al., 2019), API-compatible with mlbench-core's ``PowerSGD``.
+"""PowerSGD optimizer (Vogels et al., 2019, arXiv:1905.13727), API-compatible with mlbench-core's
+``PowerSGD``.
 
 Each step: gradients ``G`` are compressed by :func:`adaptrain.core.compress.powersgd_update`
 (rank-``r`` power iteration with error feedback, optional warm start), the decompressed mean
@@ -22,6 +23,15 @@ from adaptrain.optim._centralized import call_tracker, group_world_size
 logger = logging.getLogger(__name__)
 
 __all__ = ["PowerSGD"]
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair, in one call where torch has ``_foreach_copy_``."""
+    if hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(dst, src)
+    else:  # torch < 2.1
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
 
 class PowerSGD(SGD):
@@ -132,9 +142,11 @@ class PowerSGD(SGD):
             error_feedback=self.error_feedback,
             query_indices=indices,
         )
-        scale = 1.0 if self.average_world else float(comm.world_size)
-        for p, g, mem, q in zip(params, res.grads, st.memories, st.qs):
-            p.grad.copy_(g.mul_(scale) if scale != 1.0 else g)
+        outs = res.grads
+        if not self.average_world and comm.world_size != 1:  # the sum over the workers
+            outs = torch._foreach_mul(outs, float(comm.world_size))
+        _copy_all([p.grad for p in params], outs)
+        for p, mem, q in zip(params, st.memories, st.qs):
             s = self.state[p]
             s["powersgd_memory"] = mem
             s["powersgd_q"] = q
