@@ -127,3 +127,31 @@ def test_num_nodes_under_torchrun_ignores_a_stray_adaptrain_num_replicas(monkeyp
     for name in TORCHRUN:  # outside torchrun ADAPTRAIN_NUM_REPLICAS wins, one per node
         monkeypatch.delenv(name, raising=False)
     assert (env.num_replicas(), env.num_nodes()) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "accessor"),
+    [
+        ("ADAPTRAIN_LOCAL_RANK", "-1", env.local_rank),
+        ("ADAPTRAIN_REPLICA_RANK", "-2", env.replica_rank),
+        ("ADAPTRAIN_NUM_REPLICAS", "0", env.num_replicas),
+        ("ADAPTRAIN_NUM_NODES", "0", env.num_nodes),
+        ("ADAPTRAIN_NUM_NODES", "-3", env.num_nodes),
+        ("ADAPTRAIN_NUM_RESTARTS", "-1", env.num_restarts),
+    ],
+)
+def test_negative_ranks_and_empty_sizes_name_the_variable(monkeypatch, name, value, accessor):
+    for var in ("TORCHELASTIC_RUN_ID", "WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}={value}"):
+        accessor()
+
+
+def test_a_zero_local_world_size_names_the_variable(monkeypatch):
+    for var in ("TORCHELASTIC_RUN_ID", "ADAPTRAIN_NUM_NODES", "ADAPTRAIN_NUM_REPLICAS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=0"):
+        env.num_nodes()

@@ -68,6 +68,11 @@ def _get_int(
     return number
 
 
+#: Bounds of counts and ranks (``_get_int``): non-negative, and sizes at least 1.
+_COUNT = (0, 2**31 - 1)
+_POSITIVE = (1, 2**31 - 1)
+
+
 def checkpoint_path() -> str | None:
     """Directory for saving and loading checkpoints (``ADAPTRAIN_CHECKPOINT_PATH``), or None.
 
@@ -99,25 +104,31 @@ def job_id() -> str | None:
 
 def num_restarts() -> int:
     """Times the job was restarted (``ADAPTRAIN_NUM_RESTARTS``, else torchrun's restart count)."""
-    return _get_int(0, "ADAPTRAIN_NUM_RESTARTS", "TORCHELASTIC_RESTART_COUNT")
+    return _get_int(
+        0, "ADAPTRAIN_NUM_RESTARTS", "TORCHELASTIC_RESTART_COUNT", bounds=_COUNT, what="a count"
+    )
 
 
 def num_replicas() -> int:
     """Total number of replicas (``ADAPTRAIN_NUM_REPLICAS``, else ``WORLD_SIZE``; under
     torchrun its ``WORLD_SIZE``), default 1."""
-    return _get_int(1, *_rendezvous("ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE"))
+    return _get_int(
+        1, *_rendezvous("ADAPTRAIN_NUM_REPLICAS", "WORLD_SIZE"), bounds=_POSITIVE, what="a size"
+    )
 
 
 def replica_rank() -> int:
     """Rank of this replica in 0..K-1 (``ADAPTRAIN_REPLICA_RANK``, else ``RANK``; under torchrun
     its ``RANK``), default 0."""
-    return _get_int(0, *_rendezvous("ADAPTRAIN_REPLICA_RANK", "RANK"))
+    return _get_int(0, *_rendezvous("ADAPTRAIN_REPLICA_RANK", "RANK"), bounds=_COUNT, what="a rank")
 
 
 def local_rank() -> int:
     """Rank of this replica on its node (``ADAPTRAIN_LOCAL_RANK``, else ``LOCAL_RANK``; under
     torchrun its ``LOCAL_RANK``), default 0."""
-    return _get_int(0, *_rendezvous("ADAPTRAIN_LOCAL_RANK", "LOCAL_RANK"))
+    return _get_int(
+        0, *_rendezvous("ADAPTRAIN_LOCAL_RANK", "LOCAL_RANK"), bounds=_COUNT, what="a rank"
+    )
 
 
 def num_nodes() -> int:
@@ -129,14 +140,14 @@ def num_nodes() -> int:
     """
     value = _get("ADAPTRAIN_NUM_NODES")
     if value is not None:
-        return _get_int(1, "ADAPTRAIN_NUM_NODES")
+        return _get_int(1, "ADAPTRAIN_NUM_NODES", bounds=_POSITIVE, what="a node count")
     local_world = _get("LOCAL_WORLD_SIZE")
     # Under torchrun its WORLD_SIZE wins over ADAPTRAIN_NUM_REPLICAS (num_replicas), so its
     # node count does too.
     if local_world is not None and (
         launched_by_torchrun() or _get("ADAPTRAIN_NUM_REPLICAS") is None
     ):
-        lw = _get_int(1, "LOCAL_WORLD_SIZE")
+        lw = _get_int(1, "LOCAL_WORLD_SIZE", bounds=_POSITIVE, what="a size")
         return max(1, num_replicas() // max(lw, 1))
     return num_replicas()
 
