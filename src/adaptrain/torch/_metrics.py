@@ -3,7 +3,8 @@
 The :class:`~adaptrain.torch.data.AdaptiveDataLoader` brackets every micro-batch with
 :func:`profile_step_start` / :func:`profile_step_commit`; :class:`AdaptiveDataParallel` reports
 the all-reduce wait (:func:`profile_sync_time`), the noise-scale statistics
-(:func:`update_grad_params`) and the progress (:func:`update_progress`). The profile is kept per
+(:func:`update_grad_params`) and the progress (:func:`update_progress`), both at once after
+each optimizer step (:func:`update_step`). The profile is kept per
 configuration ``(num_nodes, num_replicas, atomic_bsz)`` as sums and counts of accumulation-step
 and optimizer-step times; :func:`get_goodput_fn` fits
 :class:`~adaptrain.core.goodput.PerfParams` with :func:`~adaptrain.core.goodput.fit_perf_params`
@@ -64,6 +65,7 @@ __all__ = [
     "profile_step_commit",
     "update_grad_params",
     "update_progress",
+    "update_step",
     "get_progress",
     "get_goodput_fn",
     "suggest_batch_size",
@@ -297,6 +299,14 @@ def update_grad_params(sqr: float, var: float) -> None:
 
 def update_progress(progress: float) -> None:
     _state().progress = float(progress)
+
+
+def update_step(progress: float, grad_params: tuple[float, float]) -> None:
+    """:func:`update_progress` and :func:`update_grad_params` in one call, for values that
+    are Python floats already (AdaptiveDataParallel's report after each optimizer step)."""
+    s = _STATE if _STATE is not None else _state()
+    s.progress = progress
+    s.grad_params = grad_params
 
 
 def get_progress() -> float:

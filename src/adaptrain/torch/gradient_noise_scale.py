@@ -370,6 +370,12 @@ class GradientNoiseScale:
     def set_progress(self, progress: float) -> None:
         self._progress = float(progress)
 
+    def advance_progress(self, gain: float) -> float:
+        """Add ``gain`` to the progress (``set_progress(get_progress() + gain)``); returns the
+        new progress."""
+        self._progress = progress = float(self._progress + gain)
+        return progress
+
     @property
     def num_updates(self) -> int:
         """Number of samples folded into the averages."""
@@ -447,7 +453,7 @@ class GradientNoiseScale:
         enabled: bool = True,
         scale: float | None = None,
         output_hook: bool = False,
-    ) -> None:
+    ) -> bool:
         """Prepare the synchronising backward pass of a new optimizer step.
 
         Args:
@@ -458,56 +464,72 @@ class GradientNoiseScale:
                 step's).
             output_hook: the caller passes this step's forward output to
                 :meth:`watch_output`, which may then hook it instead of every parameter.
+
+        Returns:
+            True when the output is to be passed to :meth:`watch_output` (a sampled step
+            hooking its output); passing it on other steps does nothing.
         """
         c = self._collector
         if c is None:
-            return
-        if c.watch == "hooked" and not c.queued:
-            # The last watched backward never reached the forward's output (a loss from
-            # elsewhere), or never ran: hook the parameters from now on.
-            self._output_hook_ok = False
-            logger.debug("GradientNoiseScale: the output was not hooked; hooking parameters")
-        if c.handles or c.stats or c.snapshot or c.queued or c.accum > 1 or c.watch:
+            return False
+        if c.watch is not None:
+            if c.watch == "hooked" and not c.queued:
+                # The last watched backward never reached the forward's output (a loss from
+                # elsewhere), or never ran: hook the parameters from now on.
+                self._output_hook_ok = False
+                logger.debug("GradientNoiseScale: the output was not hooked; hooking parameters")
+            self._remove_hooks()  # the last step's state
+        elif c.handles or c.stats or c.snapshot or c.queued or c.accum > 1:
             self._remove_hooks()  # the last step's state, or hooks whose backward never ran
-        c.accum = max(int(accum_steps), 1)
+        c.accum = (
+            accum_steps
+            if type(accum_steps) is int and accum_steps >= 1
+            else max(int(accum_steps), 1)
+        )
         c.scale = scale
         if enabled:
             since = self._steps_since + 1  # steps since the last sample, this one included
-            interval = self.sample_interval(scale)
+            settled = self._settled  # sample_interval()'s fast path, inline (every step)
+            if settled is not None and settled[0] == (self._last_scale if scale is None else scale):
+                interval = settled[1]
+            else:
+                interval = self.sample_interval(scale)
             c.stats = since >= interval
             # a single replica pairs two consecutive steps: keep the one before a sample
             c.snapshot = c.world_size == 1 and since + 1 >= interval
+        if not (c.stats or c.snapshot or c.accum > 1):
+            return False  # an unsampled step without accumulation: DDP alone
         if c.stats or c.snapshot:
             scaler = self._mp_scaler
             c.scaler = scaler if (scaler is not None and scaler.is_enabled()) else None
-        if c.stats or c.snapshot or c.accum > 1:
-            # Any parameter's hook may come first (and one may be unused): hook them all.
-            # Without bucket views or a static graph, DDP copies the averages back into the
-            # gradients only in its finalisation, so the first callback still sees the local
-            # gradients and takes their norm in one pass while the buckets are in flight.
-            # Bucket views are reduced in place, and a static graph reduces everything in a
-            # callback queued before ours on its first iteration: there the norms are taken
-            # in each parameter's hook, before DDP's own hook launches its bucket (on the
-            # critical path, so only when needed).
-            ddp = c.ddp
-            # A communication hook's average is not the mean gradient (module docstring).
-            c.dense = c.stats and c.world_size > 1 and bool(getattr(ddp, "_comm_hooks", None))
-            c.in_hooks = (
-                c.stats
-                and c.world_size > 1
-                and (
-                    c.dense
-                    or bool(
-                        getattr(ddp, "gradient_as_bucket_view", False)
-                        or getattr(ddp, "static_graph", False)
-                    )
+        # Any parameter's hook may come first (and one may be unused): hook them all.
+        # Without bucket views or a static graph, DDP copies the averages back into the
+        # gradients only in its finalisation, so the first callback still sees the local
+        # gradients and takes their norm in one pass while the buckets are in flight.
+        # Bucket views are reduced in place, and a static graph reduces everything in a
+        # callback queued before ours on its first iteration: there the norms are taken
+        # in each parameter's hook, before DDP's own hook launches its bucket (on the
+        # critical path, so only when needed).
+        ddp = c.ddp
+        # A communication hook's average is not the mean gradient (module docstring).
+        c.dense = c.stats and c.world_size > 1 and bool(getattr(ddp, "_comm_hooks", None))
+        c.in_hooks = (
+            c.stats
+            and c.world_size > 1
+            and (
+                c.dense
+                or bool(
+                    getattr(ddp, "gradient_as_bucket_view", False)
+                    or getattr(ddp, "static_graph", False)
                 )
             )
-            if output_hook and not c.in_hooks and c.accum == 1 and self._output_hook_ok:
-                c.watch = "armed"  # one hook on the output, in watch_output
-                return
-            hook = self._on_grad_norm if c.in_hooks else self._on_grad
-            c.handles = [p.register_post_accumulate_grad_hook(hook) for p in c.params]
+        )
+        if output_hook and not c.in_hooks and c.accum == 1 and self._output_hook_ok:
+            c.watch = "armed"  # one hook on the output, in watch_output
+            return True
+        hook = self._on_grad_norm if c.in_hooks else self._on_grad
+        c.handles = [p.register_post_accumulate_grad_hook(hook) for p in c.params]
+        return False
 
     def watch_output(self, output: Any) -> None:
         """After the forward pass of a step prepared by ``begin_step(output_hook=True)``: hook
@@ -681,18 +703,21 @@ class GradientNoiseScale:
         """
         self._accum_count = 0
         taken = self._fold_pending() if self._pending is not None else False
-        scale = float(scale)
+        if type(scale) is not float:
+            scale = float(scale)
         self._span += scale
         self._history += scale
         c = self._collector
-        if c is not None and c.result is not None:
-            self._pending = (c.world_size, c.result, scale, self._span)
-            c.result = None
-            self._span = 0.0
-            self._steps_since = 0
-        else:
+        if c is None:
             self._steps_since += 1
-        if c is not None:
+        else:
+            if c.result is not None:
+                self._pending = (c.world_size, c.result, scale, self._span)
+                c.result = None
+                self._span = 0.0
+                self._steps_since = 0
+            else:
+                self._steps_since += 1
             c.step_index += 1
         self._last_scale = scale
         return taken

@@ -42,6 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 import adaptrain.checkpoint as _checkpoint
 from adaptrain.core import gns as _gns
 from adaptrain.torch import _metrics
+from adaptrain.torch.data import AdaptiveDataLoaderHelper as _loaders
 from adaptrain.torch.data import current_dataloader
 from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
 from adaptrain.torch.scaling_rules import ScalingRuleBase, default_scaling_rule
@@ -139,32 +140,44 @@ class AdaptiveDataParallel(DistributedDataParallel):
             return self.module(*args, **kwargs)
         if not self.training:
             return super().forward(*args, **kwargs)
-        self._restore_grads()
-        if self.scaling_rule._saved_lr is not None:
-            self.scaling_rule.restore_lr()  # a step raised after scaling the lr (else a no-op)
-        loader = current_dataloader()
-        if loader is not None and not loader.training:
-            loader.train()  # the loader we backpropagate from is the training loader
-        sync, accum = self._step_from_loader(loader)
-        self.gns.count_micro_batch()
-        self._rt.last_sync = sync
+        # Every training forward runs this: plain attribute reads, calls only where needed.
+        rt = self._rt
+        if rt.stash:
+            self._restore_grads()
+        rule = self.scaling_rule
+        if rule._saved_lr is not None:
+            rule.restore_lr()  # a step raised after scaling the lr (else a no-op)
+        loader = _loaders._current  # current_dataloader()
+        if loader is None:
+            rt.full = True
+            rt.scale = 1.0
+            sync = bool(self.require_backward_grad_sync)
+            accum = 1
+        else:
+            sync, accum = self._step_from_loader(loader)
+        gns = self.gns
+        gns._accum_count += 1  # count_micro_batch()
+        rt.last_sync = sync
         if sync:
-            gns = self.gns
-            gns.begin_step(
-                accum_steps=accum, enabled=self._rt.full, scale=self._rt.scale, output_hook=True
+            watch = gns.begin_step(
+                accum_steps=accum, enabled=rt.full, scale=rt.scale, output_hook=True
             )
             out = super().forward(*args, **kwargs)
-            gns.watch_output(out)
+            if watch:
+                gns.watch_output(out)
             return out
-        self.gns.begin_accumulation()
+        gns.begin_accumulation()
         with self.no_sync():
             return super().forward(*args, **kwargs)
 
     def _step_from_loader(self, loader: Any) -> tuple[bool, int]:
-        """Set this micro-batch's batch-size scale from the training loader; returns whether it
-        synchronises (ends an optimizer step) and the micro-batches of its step."""
+        """Set this micro-batch's batch-size scale from the loader being iterated (made the
+        training loader if there is none yet); returns whether it synchronises (ends an
+        optimizer step) and the micro-batches of its step."""
         rt = self._rt
         rt.full = True
+        if loader is not None and not loader.training:
+            loader.train()  # the loader we backpropagate from is the training loader
         if loader is None or not loader.training:
             rt.scale = 1.0
             return bool(self.require_backward_grad_sync), 1
@@ -173,6 +186,8 @@ class AdaptiveDataParallel(DistributedDataParallel):
         init_bsz = getattr(loader, "batch_size", None) or loader.current_batch_size
         rt.init_bsz = int(init_bsz)
         scale = float(loader.current_batch_size) / float(init_bsz)
+        num_replicas = self.gns._num_replicas
+        planned = loader.current_local_bsz * num_replicas  # read once (a property)
         if sync:
             # The last step of a pass may hold fewer micro-batches than planned, and its last
             # micro-batch fewer samples (or up to R - 1 more): average by the micro-batches it
@@ -180,7 +195,6 @@ class AdaptiveDataParallel(DistributedDataParallel):
             # are not sampled (the replicas' local batches differ in size).
             ran = min(int(loader._accum_count) + 1, accum) if accum > 1 else 1
             mb = loader._mb
-            planned = loader.current_local_bsz * self.gns._num_replicas
             if mb is not None and mb.size != planned:
                 scale = ((ran - 1) * planned + mb.size) / float(init_bsz)
                 rt.full = False
@@ -188,9 +202,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
                 scale *= ran / accum
             accum = ran
         rt.scale = scale
-        self.gns.set_accum_scale(
-            loader.current_local_bsz * self.gns._num_replicas / float(init_bsz)
-        )
+        self.gns.set_accum_scale(planned / float(init_bsz))
         return sync, accum
 
     def _refresh_step_scale(self) -> None:
@@ -220,13 +232,15 @@ class AdaptiveDataParallel(DistributedDataParallel):
     # ----- called by the scaling rule's step hooks ---------------------------------------------
     def _begin_optimizer_step(self) -> bool:
         """Pre-step: False on an accumulation micro-batch (gradients set aside), else True."""
-        if not self._rt.last_sync:
+        rt = self._rt
+        if not rt.last_sync:
             self._stash_grads()
             return False
-        sync_time = self.gns.take_sync_time()
-        if sync_time is not None:  # measured on sampled steps only
-            _metrics.profile_sync_time(sync_time)
-        self.gns.finish_step(self._rt.scale)
+        gns = self.gns
+        c = gns._collector
+        if c is not None and c.sync_time is not None:  # measured on sampled steps only
+            _metrics.profile_sync_time(gns.take_sync_time())
+        gns.finish_step(rt.scale)
         return True
 
     def _step_scale(self) -> float:
@@ -237,16 +251,14 @@ class AdaptiveDataParallel(DistributedDataParallel):
 
     def _end_optimizer_step(self, scale: float, lr_factor: float) -> None:
         gns = self.gns
-        sqr, var = gns.averages()  # cached between samples
+        averages = gns.averages()  # (sqr, var) as Python floats, cached between samples
         # at scale 1 the gain is exactly 1.0 ((v + s)/(v/1 + s) with identical operands)
-        gain = 1.0 if scale == 1.0 else _gns.gain(sqr, var, float(scale))
-        progress = gns.get_progress() + gain
-        gns.set_progress(progress)
+        gain = 1.0 if scale == 1.0 else _gns.gain(averages[0], averages[1], float(scale))
+        progress = gns.advance_progress(gain)
         state = self._state
         state.gain = gain
         state.lr_factor = lr_factor
-        _metrics.update_progress(progress)
-        _metrics.update_grad_params(sqr, var)
+        _metrics.update_step(progress, averages)  # update_progress + update_grad_params
 
     def _skip_zero_grad(self) -> bool:
         """In the middle of a gradient accumulation (a ``zero_grad`` now would drop the

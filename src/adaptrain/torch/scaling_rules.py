@@ -115,12 +115,16 @@ class ScalingRuleBase:
         self._handles = []
 
     def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        # Runs on every optimizer step: the common case (no closure, nothing left scaled, a
+        # float factor) takes no call beyond the owner's and the rule's own.
         adp = self.adp
         if adp is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
-        self._restore_lr(optimizer)  # only if the last step raised before its post hook
+        if self._saved_lr is not None:
+            self._restore_lr(optimizer)  # the last step raised before its post hook
         self._in_step = False
-        if _closure_of(args, kwargs) is not None:
+        # (``args[0]`` is the optimizer: a closure comes as a second argument or a keyword)
+        if (len(args) > 1 or kwargs) and _closure_of(args, kwargs) is not None:
             # The closure runs the step's forward after this hook: take the step's batch-size
             # scale now (LBFGS reads the lr before calling it), not the previous forward's.
             refresh = getattr(adp, "_refresh_step_scale", None)
@@ -132,6 +136,10 @@ class ScalingRuleBase:
         scale = adp._step_scale()
         self._step_scale = scale
         factor = self.scale_lr(scale)
+        if type(factor) is float:  # the built-in rules' type: float(factor) is factor itself
+            self.last_factor = factor
+            if factor == 1.0:
+                return  # every lr unchanged: nothing to scale or restore
         groups = optimizer.param_groups
         if isinstance(factor, (int, float)):
             self.last_factor = float(factor)
@@ -179,7 +187,8 @@ class ScalingRuleBase:
         if not self._in_step:
             return
         self._in_step = False
-        self._restore_lr(optimizer)
+        if self._saved_lr is not None:
+            self._restore_lr(optimizer)
         self.adp._end_optimizer_step(self._step_scale, self.last_factor)
 
     def restore_lr(self) -> None:
