@@ -67,9 +67,11 @@ def train(
     before_step=None,
     scaler=None,
     skip_steps=(),
+    data=None,
 ):
-    """Accumulate ``c`` micro-batches per step; returns the gains seen before each step."""
-    data = batches(seed)
+    """Accumulate ``c`` micro-batches per step (from ``data``, default ``batches(seed)``);
+    returns the gains seen before each step."""
+    data = batches(seed) if data is None else iter(data)
     gains = []
     for s in range(steps):
         opt.zero_grad()
@@ -276,21 +278,8 @@ def test_var_floor_is_applied_in_the_units_the_optimizer_steps_with():
     def run(scaler):
         model = make_model()
         opt = AdaScale(torch.optim.SGD(model.parameters(), lr=0.1), num_gradients_to_accumulate=2)
-        gains = []
-        for batch in itertools.islice(batches(6), 4):
-            opt.zero_grad()
-            for _ in range(2):
-                loss = loss_of(model, batch) / 2
-                (scaler.scale(loss) if scaler is not None else loss).backward()
-            if scaler is not None:
-                scaler.unscale_(opt)
-            gains.append(opt.gain())
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
-        return opt, gains
+        twice = (b for batch in itertools.islice(batches(6), 4) for b in (batch, batch))
+        return opt, train(model, opt, 4, 2, scaler=scaler, data=twice)
 
     ref, g_ref = run(None)
     amp, g_amp = run(torch.amp.GradScaler("cpu", init_scale=2.0**12))

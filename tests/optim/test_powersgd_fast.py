@@ -12,7 +12,7 @@ from _threadcomm import run_workers
 from torch.testing import assert_close
 
 from adaptrain.core.compress import LocalCommunicator, orthogonalize, powersgd_init, powersgd_update
-from adaptrain.core.compress.powersgd import _factor_shape, _query
+from adaptrain.core.compress.powersgd import _factor_shape, _queries
 
 # equal P shapes (n, r) with different m, a 1-D and a 4-D tensor, a matrix thinner than rank 4
 SHAPES = [(12, 7), (12, 9), (5,), (6, 2, 2), (12, 7), (3, 30), (30, 1, 3, 1)]
@@ -181,7 +181,7 @@ def test_update_matches_per_matrix_qr_reference(rank, reuse):
         g = _grads(step)
         if not reuse and step > 0:
             queries = [
-                _query(fs[1], fs[2], 4, step, i, torch.float64, "cpu")
+                _queries([(fs[1], fs[2], i)], 4, step, torch.float64, "cpu")[0]
                 if (fs := _factor_shape(s, rank)) is not None
                 else torch.zeros(0, 0, dtype=torch.float64)
                 for i, s in enumerate(SHAPES)

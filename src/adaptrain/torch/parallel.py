@@ -42,7 +42,6 @@ from torch.nn.parallel import DistributedDataParallel
 import adaptrain.checkpoint as _checkpoint
 from adaptrain.core import gns as _gns
 from adaptrain.torch import _metrics
-from adaptrain.torch.data import AdaptiveDataLoaderHelper as _loaders
 from adaptrain.torch.data import current_dataloader
 from adaptrain.torch.gradient_noise_scale import GradientNoiseScale
 from adaptrain.torch.scaling_rules import ScalingRuleBase, default_scaling_rule
@@ -147,16 +146,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
         rule = self.scaling_rule
         if rule._saved_lr is not None:
             rule.restore_lr()  # a step raised after scaling the lr (else a no-op)
-        loader = _loaders._current  # current_dataloader()
-        if loader is None:
-            rt.full = True
-            rt.scale = 1.0
-            sync = bool(self.require_backward_grad_sync)
-            accum = 1
-        else:
-            sync, accum = self._step_from_loader(loader)
+        sync, accum = self._step_from_loader(current_dataloader())
         gns = self.gns
-        gns._accum_count += 1  # count_micro_batch()
+        gns.count_micro_batch()
         rt.last_sync = sync
         if sync:
             watch = gns.begin_step(
@@ -237,9 +229,9 @@ class AdaptiveDataParallel(DistributedDataParallel):
             self._stash_grads()
             return False
         gns = self.gns
-        c = gns._collector
-        if c is not None and c.sync_time is not None:  # measured on sampled steps only
-            _metrics.profile_sync_time(gns.take_sync_time())
+        sync_time = gns.take_sync_time()
+        if sync_time is not None:  # measured on sampled steps only
+            _metrics.profile_sync_time(sync_time)
         gns.finish_step(rt.scale)
         return True
 

@@ -106,10 +106,6 @@ def _query_seed(seed: int, step: int, index: int) -> int:
     return (((seed * 1_000_003) + step) * 10_007 + index) % (2**63 - 1)
 
 
-def _query(m: int, r: int, seed: int, step: int, index: int, dtype, device) -> torch.Tensor:
-    return _queries([(m, r, index)], seed, step, dtype, device)[0]
-
-
 def _queries(
     specs: Sequence[tuple[int, int, int]], seed: int, step: int, dtype, device
 ) -> list[torch.Tensor]:
@@ -227,9 +223,9 @@ def orthogonalize(p: torch.Tensor) -> torch.Tensor:
     parallel to the first to rounding (the projection leaves less than ``16·√n·ε`` of it)
     comes out as zero rather than as normalised rounding noise, so ``P Pᵀ M`` neither counts
     the first direction twice nor leaves out anything ``p`` spans. Norms are accumulated in
-    float64: large finite float32 values do not overflow. QR path: the output is orthonormal (LAPACK picks the
-    missing directions). NaN or inf in ``p`` gives NaN. Deterministic for equal inputs, so all
-    workers obtain the same basis from the same ``P``.
+    float64: large finite float32 values do not overflow. QR path: the output is orthonormal
+    (LAPACK picks the missing directions). NaN or inf in ``p`` gives NaN. Deterministic for
+    equal inputs, so all workers obtain the same basis from the same ``P``.
     """
     if p.ndim != 2:
         raise ValueError(f"orthogonalize expects a 2-D matrix, got shape {tuple(p.shape)}")
