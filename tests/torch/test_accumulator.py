@@ -8,13 +8,7 @@ from adaptrain import checkpoint
 from adaptrain.dist.spawn import spawn
 from adaptrain.torch import Accumulator, remaining_epochs_until
 
-
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    monkeypatch.delenv("ADAPTRAIN_CHECKPOINT_PATH", raising=False)
-    checkpoint.reset()
-    yield
-    checkpoint.reset()
+pytestmark = pytest.mark.usefixtures("fresh_checkpoints")
 
 
 def test_operators_and_modes():

@@ -26,12 +26,7 @@ class Blob(checkpoint.State):
         self.value = torch.load(fileobj)["value"]
 
 
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    monkeypatch.delenv("ADAPTRAIN_CHECKPOINT_PATH", raising=False)
-    checkpoint.reset()
-    yield
-    checkpoint.reset()
+pytestmark = pytest.mark.usefixtures("fresh_checkpoints")
 
 
 def _ckpt(monkeypatch, tmp_path: Path) -> Path:

@@ -7,13 +7,7 @@ import pytest
 from adaptrain import checkpoint
 from adaptrain.torch import current_epoch, finished_epochs, remaining_epochs_until
 
-
-@pytest.fixture(autouse=True)
-def fresh(monkeypatch):
-    monkeypatch.delenv("ADAPTRAIN_CHECKPOINT_PATH", raising=False)
-    checkpoint.reset()
-    yield
-    checkpoint.reset()
+pytestmark = pytest.mark.usefixtures("fresh_checkpoints")
 
 
 def test_consecutive_loops_continue_the_count():

@@ -13,12 +13,26 @@ On-disk layout under the checkpoint directory (``adaptrain.env.checkpoint_path()
     <root>/checkpoint-000004/state-<quoted name>   (state-%sha256-<hex> if too long for a file)
     <root>/.tmp-checkpoint-000005-<pid>/     a checkpoint being written: never read
 
+:func:`save_state` (one State into a directory of the caller's) names the file
+``state-<quoted name>%v<8 hex digits>``, a fresh name on every save; a reader goes by the
+manifest's ``file`` field only, so any plain file name of the directory loads.
+
 Atomicity: rank 0 writes every file into a temporary directory, fsyncs them, writes the manifest
 last, then ``os.rename``\\ s the directory to ``checkpoint-<seq>`` (atomic on POSIX) and only then
 deletes older checkpoints. A reader takes the highest-numbered ``checkpoint-*`` directory, so a
 crash at any moment leaves either the old or the new checkpoint, never a half-written one.
+:func:`save_state` updates a directory in place: it writes the state under a fresh file name,
+fsyncs it, atomically replaces the manifest that points at it, and only then deletes the
+State's previous file, so a crash leaves the manifest pointing at a whole file, old or new.
 Every file's SHA-256 is checked on load; a mismatch, a bad manifest or a ``load`` that raises
 gives a :class:`RuntimeError` naming the file.
+
+Every replica must construct the same States, whose ``sync`` may be collective: before
+syncing, :func:`save_all_states` compares (one collective, which also hands out the
+checkpoint's number) the names of the States that override ``sync`` across replicas and makes
+every replica raise on a mismatch, naming them, instead of letting the syncs go out of step
+and hang the job. States that keep the default no-op ``sync`` may differ between replicas
+(say, a logger's State on rank 0 only); rank 0 saves those it holds.
 
 One directory per job: checkpoints carry no job identity, so a job restores the newest
 ``checkpoint-*`` in its directory whoever wrote it, and each save deletes the older ones.
@@ -39,12 +53,13 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import threading
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 import torch.distributed as dist
 
@@ -218,14 +233,27 @@ def _rank() -> int:
 _NAME_MAX = 255
 
 
-def _file_name(name: str) -> str:
+def _file_name(name: str, reserve: int = len(".tmp")) -> str:
     """``state-<quoted name>``, or ``state-%sha256-<digest of the name>`` when that would not
-    fit one file name with its ``.tmp`` suffix (the manifest maps names to files; a quoted
-    name never holds ``%`` before a non-hex letter, so the two forms cannot collide)."""
+    fit one file name with ``reserve`` more bytes (its ``.tmp`` suffix, or :func:`save_state`'s
+    version suffix). The manifest maps names to files; a quoted name never holds ``%`` before
+    a non-hex letter, so the two forms cannot collide."""
     fname = "state-" + urllib.parse.quote(name, safe="")
-    if len(fname.encode()) + len(".tmp") > _NAME_MAX:
+    if len(fname.encode()) + reserve > _NAME_MAX:
         fname = "state-%sha256-" + hashlib.sha256(name.encode()).hexdigest()
     return fname
+
+
+#: Separates :func:`save_state`'s version token from the file name (``%v``: never in a quoted
+#: name, where ``%`` is followed by two hex digits, nor in the digest form).
+_VERSION_SEP = "%v"
+_VERSION_LEN = 8  # hex digits of the token
+
+
+def _version_prefix(name: str) -> str:
+    """The beginning of every file :func:`save_state` writes for the State ``name`` (and of no
+    other State's file: see :data:`_VERSION_SEP`)."""
+    return _file_name(name, reserve=len(_VERSION_SEP) + _VERSION_LEN) + _VERSION_SEP
 
 
 def checkpoint_root() -> str | None:
@@ -439,11 +467,16 @@ def load_state(state: State) -> bool:
 def save_state(state: State, checkpoint_dir: str, sync: bool = True) -> None:
     """Save ``state`` into ``checkpoint_dir`` (collective when ``sync``).
 
-    Every replica runs ``state.sync()`` (if ``sync``); then rank 0 writes the state's file and
-    records it with its checksum in ``checkpoint_dir``'s manifest (both replaced atomically).
+    Every replica runs ``state.sync()`` (if ``sync``); then rank 0 writes the state under a
+    fresh file name (``state-<quoted name>%v<token>``), fsyncs it, atomically replaces
+    ``checkpoint_dir``'s manifest with one that records the new file and its checksum, and only
+    then deletes the state's previous file (and any left by an earlier save that crashed
+    before its manifest was written). A crash at any moment leaves a manifest whose files are
+    whole: the previous version or the new one.
 
     Raises:
         ValueError: ``checkpoint_dir`` does not exist.
+        RuntimeError: ``checkpoint_dir`` holds a corrupt manifest (nothing is written).
     """
     if sync:
         state.sync()
@@ -453,15 +486,48 @@ def save_state(state: State, checkpoint_dir: str, sync: bool = True) -> None:
         raise ValueError(
             f"checkpoint_dir={checkpoint_dir!r} does not exist; create it before saving"
         )
-    fname, entry = _write_state_file(state, checkpoint_dir)
     mpath = os.path.join(checkpoint_dir, _MANIFEST)
     manifest = (
         _read_manifest(checkpoint_dir)
         if os.path.exists(mpath)
         else {"format": _FORMAT, "states": {}}
     )
+    previous = _entry_file(manifest["states"].get(state.name))
+    fname, entry = _write_fresh_state_file(state, checkpoint_dir)
+    _fsync_dir(checkpoint_dir)  # the new file's name is durable before a manifest names it
     manifest["states"][state.name] = entry
     _write_manifest(checkpoint_dir, manifest)
+    _fsync_dir(checkpoint_dir)  # the new manifest is durable before the old file goes
+    # The manifest no longer names them: the previous file, and debris of crashed saves.
+    keep = {_entry_file(e) for e in manifest["states"].values()}
+    prefix = _version_prefix(state.name)
+    try:
+        stale = [f for f in os.listdir(checkpoint_dir) if f.startswith(prefix)]
+        if previous is not None:
+            stale.append(previous)
+        for f in set(stale) - keep:
+            path = os.path.join(checkpoint_dir, f)
+            _verdicts.pop(path, None)
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+    except OSError as exc:  # the state is saved: a failed clean-up is no failed save
+        logger.warning(
+            "state %r saved to %s, but its older files were not removed: %s",
+            state.name,
+            os.path.join(checkpoint_dir, fname),
+            exc,
+        )
+
+
+def _serialise(state: State, f: BinaryIO) -> dict:
+    """Write ``state`` into the open file ``f`` and fsync it; its checksum and size."""
+    writer = _HashingWriter(f)
+    state.save(writer)
+    f.flush()
+    os.fsync(f.fileno())
+    return {"sha256": writer.hexdigest(), "size": writer.size}
 
 
 def _write_state_file(state: State, checkpoint_dir: str) -> tuple[str, dict]:
@@ -470,12 +536,34 @@ def _write_state_file(state: State, checkpoint_dir: str) -> tuple[str, dict]:
     path = os.path.join(checkpoint_dir, fname)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        state.save(writer)
-        f.flush()
-        os.fsync(f.fileno())
+        entry = _serialise(state, f)
     os.replace(tmp, path)
-    return fname, {"file": fname, "sha256": writer.hexdigest(), "size": writer.size}
+    return fname, {"file": fname, **entry}
+
+
+def _write_fresh_state_file(state: State, checkpoint_dir: str) -> tuple[str, dict]:
+    """Serialise ``state`` into a new (fsynced) file of ``checkpoint_dir`` whose name no file
+    there has (``state-<quoted name>%v<random hex>``); its name and manifest entry. A failed
+    ``save`` removes the partial file."""
+    prefix = _version_prefix(state.name)
+    while True:
+        fname = prefix + secrets.token_hex(_VERSION_LEN // 2)
+        path = os.path.join(checkpoint_dir, fname)
+        try:
+            f = open(path, "xb")  # never an existing file, e.g. the one the manifest names
+        except FileExistsError:
+            continue
+        break
+    try:
+        with f:
+            entry = _serialise(state, f)
+    except BaseException:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+        raise
+    return fname, {"file": fname, **entry}
 
 
 def _writer_alive(entry: str) -> bool:
@@ -505,9 +593,12 @@ def save_all_states() -> bool:
     in place; every replica returns only after rank 0 has finished writing.
 
     Raises:
-        RuntimeError: on every replica but rank 0, when rank 0 could not write the checkpoint
-            (rank 0 raises its own error). Every State is synced all the same, so the replicas'
-            collectives stay in step and a caught error leaves them able to go on.
+        RuntimeError: on every replica, before any State is synced, when the replicas hold
+            different States with a ``sync`` of their own (naming which ranks lack which);
+            or on every replica but rank 0, when rank 0 could not write the checkpoint
+            (rank 0 raises its own error). In the latter case every State is synced all the
+            same; either way the replicas' collectives stay in step and a caught error leaves
+            them able to go on.
     """
     global _loaded_from, _loaded_from_chosen
     if env.checkpoint_path() is None:
@@ -525,7 +616,17 @@ def save_all_states() -> bool:
             os.makedirs(tmp)
         except Exception as exc:  # noqa: BLE001 - every replica hears of it below
             error = exc
-    seq = collective.broadcast(seq)
+    if collective.is_distributed():
+        # One collective hands out rank 0's number and checks that every replica syncs the
+        # same States: one that some replicas lack would pair their syncs' collectives with
+        # other ones and hang the job (or fail far from the cause).
+        synced = _synced_names()
+        views = collective.allreduce([(_digest(synced), seq)])
+        seq = views[0][1]
+        if any(digest != views[0][0] for digest, _ in views):
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            _raise_mismatch(collective.allreduce([synced]))  # on every replica alike
     manifest: dict = {"format": _FORMAT, "states": {}}
     for name in sorted(_registry):  # same order on every replica: sync() may be collective
         state = _registry[name]
@@ -556,6 +657,35 @@ def save_all_states() -> bool:
     _loaded_from, _loaded_from_chosen = final, True
     _verdicts.clear()
     return True
+
+
+def _synced_names() -> list[str]:
+    """Sorted names of the registered States whose ``sync`` is their own (may be collective):
+    those every replica must hold. The default no-op ``sync`` cannot go out of step."""
+    return sorted(
+        name
+        for name, state in _registry.items()
+        if getattr(state.sync, "__func__", None) is not State.sync
+    )
+
+
+def _digest(names: list[str]) -> bytes:
+    return hashlib.sha256(json.dumps(names).encode()).digest()
+
+
+def _raise_mismatch(held: list[list[str]]) -> NoReturn:
+    """Raise the error of replicas holding different States; ``held[r]``: rank r's names."""
+    every = sorted(set().union(*held))
+    missing = [(n, [r for r, names in enumerate(held) if n not in names]) for n in every]
+    missing = [(n, ranks) for n, ranks in missing if ranks]
+    shown = "; ".join(f"{n!r:.80} is missing on rank(s) {ranks}" for n, ranks in missing[:10])
+    if len(missing) > 10:
+        shown += f"; and {len(missing) - 10} more"
+    raise RuntimeError(
+        f"the replicas hold different States, whose sync() may be collective: {shown}; "
+        "construct the same State objects on every replica before saving (no checkpoint was "
+        "saved; the previous one, if any, is kept)"
+    )
 
 
 def _publish(root: str, tmp: str, seq: int, manifest: dict) -> str:

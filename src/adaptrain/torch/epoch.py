@@ -71,6 +71,29 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         for e in remaining_epochs_until(30): ...   # 0..29
         for e in remaining_epochs_until(60): ...   # 30..59
 
+    When an epoch counts as finished (as in AdaptDL): as soon as the loop leaves its body for
+    that epoch, in any way: the body runs to its end, ``break`` leaves the loop, or an
+    exception propagates out of the loop. (Python closes the generator as the exception
+    unwinds past the ``for``; inside the generator that cannot be told from a ``break``.) So a
+    checkpoint taken after an exception has left the loop, in an ``except`` or ``finally``
+    around it, records the interrupted epoch as finished, and a restart from it skips the rest
+    of that epoch::
+
+        try:
+            for epoch in remaining_epochs_until(30):
+                train_one_epoch()                # raises in epoch 7
+        finally:
+            checkpoint.save_all_states()         # WRONG: records 8 finished epochs
+
+    Checkpoint while the epoch is still current instead: leave it to adaptrain's preemption
+    path (on SIGTERM/SIGINT the training data loader saves at a step boundary inside the loop
+    body, before the ``SystemExit`` it raises unwinds the loop, so a restart resumes the
+    interrupted epoch at its position), or call :func:`~adaptrain.checkpoint.save_all_states`
+    inside the loop body, at a point every replica reaches (it is collective), e.g. after a
+    data-loader loop. To keep the error's epoch, save in an ``except`` *inside* the loop body,
+    and only if the error happens on every replica at the same point (otherwise the others
+    never join the save).
+
     Raises:
         RuntimeError: if called inside another epoch loop.
         ValueError: if ``epoch`` is not an integer.
@@ -90,7 +113,8 @@ def remaining_epochs_until(epoch: int) -> Iterator[int]:
         try:
             yield state.current_epoch
         finally:
-            # Also on break/exception (GeneratorExit): the epoch counts as finished.
+            # Also on break or an exception leaving the loop (both arrive as GeneratorExit,
+            # indistinguishable here): the epoch counts as finished (see the docstring).
             state.finished_epochs += 1
             state.current_epoch = None
 
