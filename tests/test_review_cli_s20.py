@@ -41,9 +41,8 @@ def _demo(out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedP
         "--no-plot",
         *extra,
     ]
-    proc = subprocess.Popen(
-        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    # bytes, decoded below: text mode would turn a bar's "\r" into "\n" and hide it
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -53,7 +52,11 @@ def _demo(out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedP
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGTERM)  # a second signal kills the tree
             stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"adaptrain demo {extra} still ran after {timeout} s: {stdout[-2000:]}")
+        pytest.fail(
+            f"adaptrain demo {extra} still ran after {timeout} s: "
+            f"{stdout.decode(errors='replace')[-2000:]}"
+        )
+    stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 

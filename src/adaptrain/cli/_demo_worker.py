@@ -6,10 +6,16 @@ accumulation), for a wall-clock budget of ``--minutes``. Rank 0 shows a tqdm bar
 size, gain, predicted goodput), writes TensorBoard scalars under ``ADAPTRAIN_TENSORBOARD_LOGDIR``
 and, at the end, a PNG plot and a one-screen summary under ``--out``.
 
-Restarts: the elapsed training time, step counters and the plotted history are the checkpoint
-State ``"adaptrain-demo"``, so the time budget and the plot survive Ctrl-C + rerun. Rank 0 alone
-decides when the budget is spent and broadcasts the decision after every optimizer step
+Restarts: the elapsed training time, step counters, the budget and the plotted history are the
+checkpoint State ``"adaptrain-demo"``, so the time budget and the plot survive Ctrl-C + rerun. Rank 0
+alone decides when the budget is spent and broadcasts the decision after every optimizer step
 (:func:`adaptrain.collective.broadcast`), so all replicas stop after the same step.
+
+A rerun whose checkpoint has the budget spent (a Ctrl-C or SIGTERM during the final validation,
+which polls the stop flag like any loader loop, or just after the last step) trains no further but
+runs that final validation: the validation loader resumes its pass where the checkpoint left it and
+the epoch's :class:`~adaptrain.torch.Accumulator` keeps the sums of the part already done, so the
+rerun records exactly the result the interrupted run would have. Only then is the job marked done.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class DemoState(checkpoint.State):
         self.samples = 0
         self.restarts = 0
         self.done = False
+        self.minutes: float | None = None  # the budget the job trains (or trained) under
         self.history: list[tuple[float, ...]] = []
         self.valid: list[tuple[float, int, float]] = []  # (elapsed, step, bits/char)
         self._t0: float | None = None
@@ -88,6 +95,7 @@ class DemoState(checkpoint.State):
                 "samples": int(self.samples),
                 "restarts": int(self.restarts),
                 "done": bool(self.done),
+                "minutes": None if self.minutes is None else float(self.minutes),
                 "history": [tuple(float(v) for v in row) for row in self.history],
                 "valid": [tuple(float(v) for v in row) for row in self.valid],
             },
@@ -102,6 +110,8 @@ class DemoState(checkpoint.State):
         self.done = bool(d["done"])
         # A rerun of a finished job trains nothing: it reports the job, it is no restart.
         self.restarts = int(d["restarts"]) + (0 if self.done else 1)
+        minutes = d.get("minutes")  # None in checkpoints written before the budget was kept
+        self.minutes = None if minutes is None else float(minutes)
         self.history = [tuple(r) for r in d["history"]]
         self.valid = [tuple(r) for r in d["valid"]]
 
@@ -165,8 +175,21 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def _say(bar: Any, msg: str) -> None:
+    """A line of rank 0's log: above the bar, or printed (and flushed) without one."""
+    if bar is not None:
+        bar.write(msg)
+    else:
+        print(msg, flush=True)
+
+
 def _fmt_time(seconds: float) -> str:
     return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
+
+
+def _budget_minutes(state: DemoState, args: argparse.Namespace) -> float:
+    """The budget the job trains (or trained) under: the checkpointed one, else ``--minutes``."""
+    return args.minutes if state.minutes is None else state.minutes
 
 
 def summary_lines(state: DemoState, args: argparse.Namespace, replicas: int) -> list[str]:
@@ -175,7 +198,8 @@ def summary_lines(state: DemoState, args: argparse.Namespace, replicas: int) -> 
     lines = [
         "adaptrain demo — character LM on the Python standard library's source",
         f"  replicas             {replicas} (gloo, CPU)",
-        f"  training time        {_fmt_time(state.elapsed())} of {args.minutes:g} min budget"
+        f"  training time        {_fmt_time(state.elapsed())} of "
+        f"{_budget_minutes(state, args):g} min budget"
         f" ({state.restarts} restart(s))",
         f"  optimizer steps      {state.steps}   samples {state.samples}",
     ]
@@ -261,7 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     adl.init_process_group("gloo")
     rank, replicas = dist.get_rank(), dist.get_world_size()
     out = Path(args.out)
-    budget = args.minutes * 60.0
 
     # Rank 0 encodes the corpus into the cache first; the others then read it.
     cache = out / "cache"
@@ -286,6 +309,12 @@ def main(argv: list[str] | None = None) -> int:
 
     state = DemoState()
     checkpoint.load_state(state)
+    earlier = state.minutes
+    if not state.done:
+        # An unfinished job trains to the budget given now (a rerun may extend or shorten it);
+        # a finished one keeps the budget it ran under.
+        state.minutes = args.minutes
+    budget = _budget_minutes(state, args) * 60.0
 
     writer = bar = None
     if rank == 0:
@@ -308,23 +337,36 @@ def main(argv: list[str] | None = None) -> int:
                 bar_format="{l_bar}{bar}| {n:.0f}/{total_fmt}s{postfix}",
             )
         if state.done:
-            msg = f"the job in {out} is finished ({state.steps} steps); its summary follows"
-            (bar.write if bar else print)(msg)
+            _say(bar, f"the job in {out} is finished ({state.steps} steps); its summary follows")
+            if state.minutes is not None and state.minutes != args.minutes:
+                _say(
+                    bar,
+                    f"the job in {out} already finished under a {state.minutes:g} min budget; "
+                    f"--minutes {args.minutes:g} applies to a new job: give another --out (or "
+                    "--fresh to start this one over)",
+                )
         elif state.restarts:
             msg = (
                 f"resuming after {_fmt_time(state.elapsed_before)} of training "
                 f"({state.steps} steps, restart {state.restarts})"
             )
-            (bar.write if bar else print)(msg)
+            if earlier is not None and earlier != args.minutes:
+                msg += f"; budget now {args.minutes:g} min (was {earlier:g})"
+            _say(bar, msg)
 
     state.start_clock()
-    stop = state.done or state.elapsed_before >= budget
+    # Budget spent at the (re)start of an unfinished job: the checkpoint was taken in the final
+    # validation or just after the last step. No more training, but that validation (resumed
+    # where it stopped; see the module docstring), unless the model of this step already has one.
+    spent = state.elapsed_before >= budget
+    validated = spent and bool(state.valid) and int(state.valid[-1][1]) == state.steps
     last_t, last_samples = state.elapsed(), state.samples
     record_every = 2.0  # seconds between history rows
     for epoch in adl.remaining_epochs_until(1_000_000):
-        if stop:
+        if state.done or validated:
             break
-        for inputs, targets in train_loader:
+        stop = spent
+        for inputs, targets in () if spent else train_loader:  # spent: validate only
             loss = charlm_loss(model, (inputs, targets))
             optimizer.zero_grad()
             loss.backward()
@@ -360,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
                         model.to_tensorboard(writer, state.steps, "adaptdl")
                         train_loader.to_tensorboard(writer, state.steps, "adaptdl")
                     if bar is not None:
-                        bar.n = min(now, budget)
+                        bar.n = min(now, bar.total)  # total: the budget, rounded
                         bar.set_postfix_str(
                             f"ep {epoch} loss {row[2]:.3f} bs {row[3]} (acc {row[4]}) "
                             f"gain {row[5]:.2f} goodput {gp:.0f}",
@@ -377,17 +419,17 @@ def main(argv: list[str] | None = None) -> int:
             stop = bool(collective.broadcast(stop))
             if stop:
                 break
+        if stop and rank == 0:  # tells a Ctrl-C from now on from one during training
+            _say(bar, f"training budget spent after {state.steps} steps: final validation")
         bpc = _validate(model, valid_loader)
         if rank == 0:
             state.valid.append((state.elapsed(), state.steps, bpc))
             if writer is not None:
                 writer.add_scalar("demo/valid_bits_per_char", bpc, state.steps)
-            msg = f"epoch {epoch}: validation {bpc:.3f} bits/char after {state.steps} steps"
-            if bar is not None:
-                bar.write(msg)
-            else:
-                print(msg, flush=True)
+            _say(bar, f"epoch {epoch}: validation {bpc:.3f} bits/char after {state.steps} steps")
         stop = bool(collective.broadcast(stop or state.elapsed() >= budget))
+        if stop:
+            break
 
     state.stop_clock()
     if not state.done:
@@ -395,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint.save_all_states()  # a rerun reports the finished job instead of training
     if rank == 0:
         if bar is not None:
-            bar.n = min(state.elapsed(), budget)
+            bar.n = min(state.elapsed(), bar.total)
             bar.close()
         if writer is not None:
             writer.close()
@@ -412,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                         "steps": state.steps,
                         "samples": state.samples,
                         "restarts": state.restarts,
+                        "budget_min": _budget_minutes(state, args),
                         "replicas": replicas,
                         "history_fields": list(HISTORY_FIELDS),
                         "history": state.history,

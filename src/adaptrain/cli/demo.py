@@ -4,7 +4,9 @@ Launches ``torchrun`` (``python -m torch.distributed.run``) with ``--replicas`` 
 :mod:`adaptrain.cli._demo_worker`. torchrun runs in its own session, so Ctrl-C in the terminal
 reaches this launcher only; the launcher forwards one SIGTERM to torchrun, which forwards it to
 every worker: they agree on a step, write one checkpoint under ``--out`` and exit. Running the same
-command again resumes from that checkpoint.
+command again resumes from that checkpoint (a job interrupted in its final validation runs that
+validation again, where it stopped, and trains no further). A finished job in ``--out`` is only
+reported again, under the budget it ran with.
 """
 
 from __future__ import annotations
@@ -26,7 +28,13 @@ HELP = "train the character LM of the stdlib's text on local replicas with autos
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--minutes", type=float, default=3.0, help="training time budget (default 3)"
+        "--minutes",
+        type=float,
+        default=3.0,
+        help="training time budget, summed over restarts (default 3). A rerun of an unfinished "
+        "job in --out trains to the budget it gives (it may extend or shorten the job; one "
+        "already past it only runs its final validation); a finished job keeps its budget and "
+        "is only reported: give another --out, or --fresh, to train anew",
     )
     parser.add_argument("--replicas", type=int, default=2, help="local replicas (default 2)")
     parser.add_argument("--out", default="out/demo", help="output folder (default out/demo)")

@@ -117,10 +117,53 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="JCT CDF and allocations over time")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress on stderr (a terminal gets a bar; a log, a plain line every 30 s)",
+    )
+
+
+class _Where:
+    """What ``run`` is doing, for the message of a Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.policy: str | None = None  # the policy being simulated
+        self.index = 0  # its number, from 1
+        self.count = 0  # policies asked for
+        self.sim = None  # its Simulator
+        self.plotting: str | None = None  # the plot file being written
 
 
 def run(args: argparse.Namespace) -> int:
+    """The command, exiting 130 after a one-line message on Ctrl-C (no traceback): results are
+    printed and the plot written only once every policy has been simulated, so an interrupted
+    simulation leaves nothing behind (``--plot``'s folder excepted, created up front)."""
+    where = _Where()
+    try:
+        return _run(args, where)
+    except KeyboardInterrupt:
+        # On a terminal, over the "^C" it echoed (a bar has already ended its line).
+        start = "\r" if sys.stderr.isatty() else ""
+        print(f"{start}adaptrain simulate: {_interrupted(where)}", file=sys.stderr, flush=True)
+        return 130
+
+
+def _interrupted(where: _Where) -> str:
+    if where.plotting:
+        return f"interrupted while writing the plot {where.plotting}; it may be incomplete"
+    if where.sim is None:
+        return "interrupted before the simulation started; nothing was written"
+    sim = where.sim
+    done = sum(j.completion_time is not None for j in sim.jobs)
+    return (
+        f"interrupted while simulating {where.policy} (policy {where.index} of {where.count}) "
+        f"at {sim.current_time:.0f} s simulated time, {done} of {len(sim.jobs)} jobs finished; "
+        "nothing was written"
+    )
+
+
+def _run(args: argparse.Namespace, where: _Where) -> int:
     from adaptrain.sched.simulator import SimulationStalled, Simulator
     from adaptrain.sched.traces import load_applications, load_workload
 
@@ -165,7 +208,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"adaptrain simulate: {exc}", file=sys.stderr)
         return 2
     results = {}
-    for name, sim in sims.items():
+    where.count = len(sims)
+    for index, (name, sim) in enumerate(sims.items(), 1):
+        where.policy, where.index, where.sim = name, index, sim
         try:
             results[name] = sim.run(progress=not args.no_progress and not args.json)
         except SimulationStalled as exc:
@@ -187,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from adaptrain.sched.plot import plot_results
 
+        where.plotting = args.plot
         try:
             plot_results(results, args.plot, gpus=args.nodes * args.gpus_per_node)
         except OSError as exc:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time as _time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -54,6 +55,63 @@ _FIT_CACHE: dict[tuple, object] = {}
 
 class SimulationStalled(RuntimeError):
     """Every job has been submitted, some are unfinished, and none runs any more."""
+
+
+#: Seconds (wall clock) between two progress lines when stderr is not a terminal.
+PROGRESS_LINE_EVERY = 30.0
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return bool(sys.stderr is not None and sys.stderr.isatty())
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
+class _Progress:
+    """Progress of :meth:`Simulator.run` on stderr.
+
+    On a terminal, a tqdm bar (simulated seconds, jobs done). Elsewhere (a log file, a pipe, a
+    CI log) no bar, whose ``\\r`` redraws would fill the log, but a plain line after the first
+    round, then at most every :data:`PROGRESS_LINE_EVERY` seconds, and one at the end: the rule
+    of ``adaptrain demo``'s bar.
+    """
+
+    def __init__(self, sim: Simulator) -> None:
+        self.name = getattr(sim.policy, "name", "sim")
+        self.total = len(sim.jobs)
+        self.start = _time.perf_counter()
+        self.next_line = self.start  # the first round gets a line
+        self.bar = None
+        if _stderr_is_terminal():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=None, unit="sim-s", desc=self.name, mininterval=1.0)
+
+    def _line(self, sim: Simulator, what: str) -> None:
+        done = sum(j.completion_time is not None for j in sim.jobs)
+        wall = _time.perf_counter() - self.start
+        print(
+            f"{self.name}: {what} {done}/{self.total} jobs, {sim.current_time:.0f} s simulated "
+            f"in {wall:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def update(self, sim: Simulator) -> None:
+        if self.bar is not None:
+            done = sum(j.completion_time is not None for j in sim.jobs)
+            self.bar.update(sim.interval)
+            self.bar.set_postfix(done=f"{done}/{self.total}", refresh=False)
+        elif _time.perf_counter() >= self.next_line:
+            self._line(sim, "done")
+            self.next_line = _time.perf_counter() + PROGRESS_LINE_EVERY
+
+    def close(self, sim: Simulator, finished: bool) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif finished:
+            self._line(sim, "finished")
 
 
 def job_kind_for_policy(policy_name: str) -> str:
@@ -544,6 +602,9 @@ class Simulator:
     ) -> SimResult:
         """Simulate until every job completes (or ``max_time`` seconds of simulated time).
 
+        ``progress`` shows progress on stderr: a tqdm bar on a terminal, plain lines elsewhere
+        (a log file gets no ``\\r`` redraws; see :class:`_Progress`).
+
         Raises :class:`SimulationStalled` once every job has been submitted and, for
         ``stall_rounds`` rounds in a row, unfinished jobs remain but none holds a GPU: the
         policy will not place them (e.g. a job larger than the cluster), and the simulation
@@ -553,41 +614,35 @@ class Simulator:
             raise ValueError(f"stall_rounds={stall_rounds} must be >= 1")
         last_submission = max((j.submission_time for j in self.jobs), default=0.0)
         idle_rounds = 0
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=None, unit="sim-s", desc=getattr(self.policy, "name", "sim"), mininterval=1.0
-            )
-        while not self.all_complete():
-            if max_time is not None and self.current_time >= max_time:
-                break
-            self.step()
-            if self.allocations or self.current_time < last_submission or self.all_complete():
-                idle_rounds = 0
-            else:
-                idle_rounds += 1
-                if idle_rounds >= stall_rounds:
-                    if bar is not None:
-                        bar.close()
-                    pending = [j.name for j in self.jobs if j.completion_time is None]
-                    raise SimulationStalled(
-                        f"simulation stalled at t={self.current_time:g} s: every job has been "
-                        f"submitted, but for {idle_rounds} rounds policy "
-                        f"{getattr(self.policy, 'name', self.policy)!r} placed none of the "
-                        f"{len(pending)} unfinished job(s) {pending[:10]}; they cannot be "
-                        "scheduled on this cluster (check their sizes against "
-                        f"{self.num_nodes} x {self.gpus_per_node} GPUs)"
-                    )
-            if bar is not None:
-                done = sum(j.completion_time is not None for j in self.jobs)
-                bar.update(self.interval)
-                bar.set_postfix(done=f"{done}/{len(self.jobs)}", refresh=False)
-            if callback is not None:
-                callback(self)
-        if bar is not None:
-            bar.close()
+        shown = _Progress(self) if progress else None
+        finished = False
+        try:
+            while not self.all_complete():
+                if max_time is not None and self.current_time >= max_time:
+                    break
+                self.step()
+                if self.allocations or self.current_time < last_submission or self.all_complete():
+                    idle_rounds = 0
+                else:
+                    idle_rounds += 1
+                    if idle_rounds >= stall_rounds:
+                        pending = [j.name for j in self.jobs if j.completion_time is None]
+                        raise SimulationStalled(
+                            f"simulation stalled at t={self.current_time:g} s: every job has "
+                            f"been submitted, but for {idle_rounds} rounds policy "
+                            f"{getattr(self.policy, 'name', self.policy)!r} placed none of the "
+                            f"{len(pending)} unfinished job(s) {pending[:10]}; they cannot be "
+                            "scheduled on this cluster (check their sizes against "
+                            f"{self.num_nodes} x {self.gpus_per_node} GPUs)"
+                        )
+                if shown is not None:
+                    shown.update(self)
+                if callback is not None:
+                    callback(self)
+            finished = True
+        finally:  # the bar ends its line also on Ctrl-C or a stall
+            if shown is not None:
+                shown.close(self, finished)
         jcts = {
             j.name: j.completion_time - j.submission_time
             for j in self.jobs
