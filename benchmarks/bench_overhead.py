@@ -19,8 +19,16 @@ host the paired ratios scatter by +-15%, so resolving 1% takes thousands of repe
 (Interleaving the variants step by step instead was tried in session 4: no narrower spread, and the A/A control read 0.92-0.95, a bias from
 the models' alternating use of the caches.)
 
+With ``--launches K`` the repetitions are split over K fresh launches, each building its
+variants in another order and memory layout; their samples are pooled, and the mean of the
+per-launch medians is given with a 95% interval over launches (one launch's own interval is
+too narrow when launches disagree, as two runs of session 20 did). The first ~3 steps of a
+block after another model's cost 2.5-4 ms more than the rest (the caches refill: session 21, at
+3.2 ms steps), 1.3-2% of a 62-step block and possibly unequal between variants; ``--steps 248``
+(four samples per ADP block) cuts that share to ~0.4%.
+
     python benchmarks/bench_overhead.py [--reps 21] [--steps 62] [--configs 0 1 2 3]
-                                        [--variants ddp ddp2 adp]
+                                        [--variants ddp ddp2 adp] [--launches 1]
                                         [--out overhead_run.md]
 """
 
@@ -63,7 +71,14 @@ DEFAULT_VARIANTS = ("ddp", "ddp2", "pyhook", "adp", "adp1")
 
 
 def _worker(
-    rank: int, ws: int, width: int, bsz: int, reps: int, steps: int, variants: tuple[str, ...]
+    rank: int,
+    ws: int,
+    width: int,
+    bsz: int,
+    reps: int,
+    steps: int,
+    variants: tuple[str, ...],
+    launch: int = 0,
 ) -> list[float]:
     import torch.distributed as dist
     from sklearn.datasets import load_digits
@@ -75,33 +90,37 @@ def _worker(
     y = torch.tensor(y)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+    def build(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = _model(width)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        if name in ("ddp", "ddp2"):  # ddp2: a second plain DDP, the A/A control
+            return DistributedDataParallel(m), opt
+        if name == "pyhook":  # torch's own Python all-reduce hook, for reference
+            hooked = DistributedDataParallel(m)
+            hooked.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+            return hooked, opt
+        interval = {"adp": None, "adp32": 32, "adp1": 1}[name]
+        kw = {} if interval is None else {"max_stats_interval": interval}
+        return AdaptiveDataParallel(m, opt, name=f"bench-{name}", **kw), opt
+
+    # Launch 0 builds the variants in the fixed order; a later launch (--launches) in an order
+    # drawn from its index (the same on both ranks) with a spacer allocation between them, so
+    # that which variant lands where in memory varies between launches and a per-layout offset
+    # averages out over the launches instead of biasing every block of one run.
+    order = [k for k in VARIANTS if k in variants]
+    spacers = []
+    if launch:
+        rng = torch.Generator().manual_seed(1000 + launch)
+        order = [order[i] for i in torch.randperm(len(order), generator=rng).tolist()]
     models = {}
-    m = _model(width)
-    models["ddp"] = (
-        DistributedDataParallel(m),
-        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-    )
-    m = _model(width)
-    models["ddp2"] = (  # a second plain DDP: the A/A control, the noise floor of the ratios
-        DistributedDataParallel(m),
-        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-    )
-    m = _model(width)
-    hooked = DistributedDataParallel(m)  # torch's own Python all-reduce hook, for reference
-    hooked.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
-    models["pyhook"] = (hooked, torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9))
-    m = _model(width)
-    opt_adp = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    adp = AdaptiveDataParallel(m, opt_adp, name="adp-sampled")
-    models["adp"] = (adp, opt_adp)
-    m = _model(width)
-    opt_adp32 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    adp32 = AdaptiveDataParallel(m, opt_adp32, name="adp-32", max_stats_interval=32)
-    models["adp32"] = (adp32, opt_adp32)
-    m = _model(width)
-    opt_adp1 = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-    adp1 = AdaptiveDataParallel(m, opt_adp1, name="adp-every-step", max_stats_interval=1)
-    models["adp1"] = (adp1, opt_adp1)
+    for name in order:
+        if launch:
+            size = int(torch.randint(1, 1 << 16, (1,), generator=rng))
+            spacers.append(torch.empty(size))
+        models[name] = build(name)
+    models = {k: models[k] for k in VARIANTS if k in models}  # timing rotation as before
+    adp, opt_adp = models["adp"]
+    adp32, opt_adp32 = models.get("adp32", (None, None))
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, len(y), (bsz,), generator=g) for _ in range(16)]
 
@@ -168,11 +187,36 @@ def _median_ci(xs: list[float]) -> tuple[float, float]:
     return float(ci.low), float(ci.high)
 
 
+def _launch_ci(xs: list[float]) -> tuple[float, float, float]:
+    """Mean of the per-launch medians and its 95% t-interval (NaN with fewer than 2 launches).
+
+    Each launch is one draw of the memory layout and thread placement, so its offset is shared
+    by all its blocks: the pooled median's binomial interval treats those blocks as
+    independent and is too narrow when launches disagree. This interval counts launches.
+    """
+    from scipy.stats import t
+
+    if len(xs) < 2 or any(x != x for x in xs):
+        return float("nan"), float("nan"), float("nan")
+    m = statistics.fmean(xs)
+    h = t.ppf(0.975, len(xs) - 1) * statistics.stdev(xs) / len(xs) ** 0.5
+    return m, m - h, m + h
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--steps", type=int, default=62)
     ap.add_argument("--out", default=None, help="write a markdown report here")
+    ap.add_argument(
+        "--launches",
+        type=int,
+        default=1,
+        help="split --reps over this many fresh 2-process launches, each building its variants "
+        "in a different order and memory layout, and pool their paired samples (default 1: one "
+        "launch, the fixed order). The per-launch medians and a CI over launches are reported: "
+        "two launches of the same code can disagree by more than one launch's CI",
+    )
     ap.add_argument(
         "--configs",
         type=int,
@@ -191,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.reps < 2:
         ap.error(f"--reps {args.reps}: at least 2 repetitions (the spread needs two)")
+    if not 1 <= args.launches <= args.reps // 2:
+        ap.error(f"--launches {args.launches}: give 1 to reps/2 launches (2+ repetitions each)")
     if any(not 0 <= i < len(CONFIGS) for i in args.configs):
         ap.error(f"--configs {args.configs}: indices must lie in 0..{len(CONFIGS) - 1}")
     variants = tuple(k for k in VARIANTS if k in set(args.variants) | {"ddp", "adp"})
@@ -199,15 +245,41 @@ def main(argv: list[str] | None = None) -> int:
     nan = float("nan")
     n = args.steps
     for label, width, bsz in (CONFIGS[i] for i in args.configs):
-        wall, cpu, info = spawn(
-            _worker, 2, args=(width, bsz, args.reps, n, variants), timeout=3600
-        )[0]
-        # block r of each variant against block r of DDP (adjacent in time)
-        sums = {k: _block_sums(wall[k], args.reps, n) for k in variants}
-        ratio = {
-            k: [a / d for a, d in zip(sums[k], sums["ddp"])] if k in variants else [nan]
-            for k in ("adp", "adp32", "adp1", "pyhook", "ddp2")
-        }
+        reps_of = [
+            args.reps // args.launches + (j < args.reps % args.launches)
+            for j in range(args.launches)
+        ]
+        ratio = {k: [] for k in ("adp", "adp32", "adp1", "pyhook", "ddp2")}
+        both, per_launch, walls = [], [], []
+        cpu = {k: 0.0 for k in variants}
+        for j, reps_j in enumerate(reps_of):
+            wall, cpu_j, info = spawn(
+                _worker, 2, args=(width, bsz, reps_j, n, variants, j), timeout=3600
+            )[0]
+            # block r of each variant against block r of DDP (adjacent in time)
+            sums = {k: _block_sums(wall[k], reps_j, n) for k in variants}
+            for k in ratio:
+                if k in variants:
+                    ratio[k] += [a / d for a, d in zip(sums[k], sums["ddp"])]
+            if "ddp2" in variants:
+                both += [
+                    2 * a / (d + d2) for a, d, d2 in zip(sums["adp"], sums["ddp"], sums["ddp2"])
+                ]
+            for k in variants:
+                cpu[k] += sum(cpu_j[k])
+            walls += wall["ddp"]
+            launch = {"adp": med(ratio["adp"][-reps_j:])}
+            if "ddp2" in variants:
+                launch["ddp2"] = med(ratio["ddp2"][-reps_j:])
+            per_launch.append(launch)
+            if args.launches > 1:
+                print(
+                    f"  launch {j + 1}/{args.launches}: ADP/DDP {launch['adp']:.3f}"
+                    + (f", A/A {launch['ddp2']:.3f}" if "ddp2" in launch else ""),
+                    flush=True,
+                )
+        for k in ratio:
+            ratio[k] = ratio[k] or [nan]
         q = statistics.quantiles(ratio["adp"], n=4)
         row = {
             "label": label,
@@ -216,19 +288,18 @@ def main(argv: list[str] | None = None) -> int:
             "ci": _median_ci(ratio["adp"]),
             "ci_aa": _median_ci(ratio["ddp2"]) if "ddp2" in variants else (nan, nan),
             # CPU: total process time of all steps (per-step CPU clocks are too coarse)
-            "cpu": sum(cpu["adp"]) / sum(cpu["ddp"]),
+            "cpu": cpu["adp"] / cpu["ddp"],
             "adp32": med(ratio["adp32"]),
-            "cpu32": sum(cpu["adp32"]) / sum(cpu["ddp"]) if "adp32" in variants else nan,
+            "cpu32": cpu["adp32"] / cpu["ddp"] if "adp32" in variants else nan,
             "adp1": med(ratio["adp1"]),
             "pyhook": med(ratio["pyhook"]),
             "ddp2": med(ratio["ddp2"]),
             # against both plain-DDP instances: cancels a per-instance (memory layout) offset
-            "adp_both": med(
-                [2 * a / (d + d2) for a, d, d2 in zip(sums["adp"], sums["ddp"], sums["ddp2"])]
-            )
-            if "ddp2" in variants
-            else nan,
-            "ms": med(wall["ddp"]) * 1e3,
+            "adp_both": med(both) if both else nan,
+            "launches": per_launch,
+            "launch_ci": _launch_ci([x["adp"] for x in per_launch]),
+            "launch_ci_aa": _launch_ci([x.get("ddp2", nan) for x in per_launch]),
+            "ms": med(walls) * 1e3,
             "info": info,
         }
         rows.append(row)
@@ -241,13 +312,21 @@ def main(argv: list[str] | None = None) -> int:
             f"ADP/both DDPs {row['adp_both']:.3f}; DDP step {row['ms']:.2f} ms; {info}",
             flush=True,
         )
+        if args.launches > 1:
+            lc, la = row["launch_ci"], row["launch_ci_aa"]
+            print(
+                f"  over {args.launches} launches: mean of the launch medians ADP/DDP {lc[0]:.3f} "
+                f"(95% CI {lc[1]:.3f}-{lc[2]:.3f}), A/A {la[0]:.3f} ({la[1]:.3f}-{la[2]:.3f})",
+                flush=True,
+            )
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             f.write("# AdaptiveDataParallel overhead over DistributedDataParallel\n\n")
             f.write(
                 f"Command: `python benchmarks/bench_overhead.py --reps {args.reps} "
-                f"--steps {args.steps} --configs {' '.join(map(str, args.configs))} "
+                f"--steps {args.steps} --launches {args.launches} "
+                f"--configs {' '.join(map(str, args.configs))} "
                 f"--variants {' '.join(variants)} "
                 f"--out {args.out}`\n\n"
             )
@@ -272,6 +351,20 @@ def main(argv: list[str] | None = None) -> int:
                     f"({r['ci_aa'][0]:.3f}–{r['ci_aa'][1]:.3f}) | {r['adp_both']:.3f}× | {r['ms']:.2f} | "
                     f"{r['info']['warm']}, {r['info']['sampled_share']:.3f} |\n"
                 )
+            if args.launches > 1:
+                f.write(
+                    f"\nOver {args.launches} launches (mean of the per-launch medians, 95% "
+                    "t-interval over launches; per-launch medians ADP/DDP | A/A):\n\n"
+                )
+                for r in rows:
+                    lc, la = r["launch_ci"], r["launch_ci_aa"]
+                    each = ", ".join(
+                        f"{x['adp']:.3f} | {x.get('ddp2', nan):.3f}" for x in r["launches"]
+                    )
+                    f.write(
+                        f"- {r['label']}: ADP/DDP **{lc[0]:.3f}×** ({lc[1]:.3f}–{lc[2]:.3f}), "
+                        f"A/A {la[0]:.3f}× ({la[1]:.3f}–{la[2]:.3f}); launches: {each}\n"
+                    )
             f.write(
                 f"\nVariants timed: {', '.join(variants)}. "
                 f"{args.reps} repetitions; each runs a block of {args.steps} steps of plain "
