@@ -481,19 +481,11 @@ class GradientNoiseScale:
             self._remove_hooks()  # the last step's state
         elif c.handles or c.stats or c.snapshot or c.queued or c.accum > 1:
             self._remove_hooks()  # the last step's state, or hooks whose backward never ran
-        c.accum = (
-            accum_steps
-            if type(accum_steps) is int and accum_steps >= 1
-            else max(int(accum_steps), 1)
-        )
+        c.accum = max(int(accum_steps), 1)
         c.scale = scale
         if enabled:
             since = self._steps_since + 1  # steps since the last sample, this one included
-            settled = self._settled  # sample_interval()'s fast path, inline (every step)
-            if settled is not None and settled[0] == (self._last_scale if scale is None else scale):
-                interval = settled[1]
-            else:
-                interval = self.sample_interval(scale)
+            interval = self.sample_interval(scale)  # cached once settled
             c.stats = since >= interval
             # a single replica pairs two consecutive steps: keep the one before a sample
             c.snapshot = c.world_size == 1 and since + 1 >= interval
@@ -703,8 +695,7 @@ class GradientNoiseScale:
         """
         self._accum_count = 0
         taken = self._fold_pending() if self._pending is not None else False
-        if type(scale) is not float:
-            scale = float(scale)
+        scale = float(scale)
         self._span += scale
         self._history += scale
         c = self._collector

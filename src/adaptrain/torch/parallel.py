@@ -141,8 +141,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
             return super().forward(*args, **kwargs)
         # Every training forward runs this: plain attribute reads, calls only where needed.
         rt = self._rt
-        if rt.stash:
-            self._restore_grads()
+        self._restore_grads()  # gradients set aside by accumulation micro-batches, if any
         rule = self.scaling_rule
         if rule._saved_lr is not None:
             rule.restore_lr()  # a step raised after scaling the lr (else a no-op)

@@ -115,8 +115,8 @@ class ScalingRuleBase:
         self._handles = []
 
     def _pre_step_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # Runs on every optimizer step: the common case (no closure, nothing left scaled, a
-        # float factor) takes no call beyond the owner's and the rule's own.
+        # Runs on every optimizer step: the common case (no closure, nothing left scaled)
+        # takes no call beyond the owner's and the rule's own.
         adp = self.adp
         if adp is None:
             raise ValueError("AdaptiveDataParallel instance is not set!")
@@ -136,16 +136,12 @@ class ScalingRuleBase:
         scale = adp._step_scale()
         self._step_scale = scale
         factor = self.scale_lr(scale)
-        if type(factor) is float:  # the built-in rules' type: float(factor) is factor itself
-            self.last_factor = factor
-            if factor == 1.0:
-                return  # every lr unchanged: nothing to scale or restore
         groups = optimizer.param_groups
         if isinstance(factor, (int, float)):
-            self.last_factor = float(factor)
+            self.last_factor = factor = float(factor)
             if factor == 1.0:
                 return  # every lr unchanged: nothing to scale or restore
-            factors = [float(factor)] * len(groups)
+            factors = [factor] * len(groups)
         else:  # one factor per param group
             factors = np.broadcast_to(np.asarray(factor, dtype=np.float64), (len(groups),))
             self.last_factor = float(np.mean(factors))
