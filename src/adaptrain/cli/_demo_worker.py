@@ -16,6 +16,11 @@ which polls the stop flag like any loader loop, or just after the last step) tra
 runs that final validation: the validation loader resumes its pass where the checkpoint left it and
 the epoch's :class:`~adaptrain.torch.Accumulator` keeps the sums of the part already done, so the
 rerun records exactly the result the interrupted run would have. Only then is the job marked done.
+
+The outputs (plot, ``summary.txt``, then ``summary.json``, whose presence tells the launcher the
+job finished) are each written under a temporary name and renamed into place, so a kill while
+they are written (a second Ctrl-C) leaves either the complete file or none, never a truncated
+one; the job is already marked done in its checkpoint, and a rerun writes them again.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import argparse
 import json
 import logging
 import math
+import os
 import pickle
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -183,6 +190,24 @@ def _say(bar: Any, msg: str) -> None:
         print(msg, flush=True)
 
 
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` to write ``path``'s content to a temporary file next to it, then
+    flush it to disk and rename it over ``path``: readers (and a process killed half-way) see
+    the old file or the new one, never a part. A failed ``write`` leaves ``path`` untouched."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def _fmt_time(seconds: float) -> str:
     return f"{int(seconds // 60)}:{seconds % 60:04.1f}"
 
@@ -274,8 +299,10 @@ def plot(state: DemoState, path: Path) -> None:
         ax.set_xlabel("training time (min)")
     fig.suptitle("adaptrain demo: char LM, autoscaled batch size")
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=80, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -445,25 +472,26 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_plot and state.history:
             plot(state, out / "demo.png")
         lines = summary_lines(state, args, replicas)
-        (out / "summary.txt").write_text("\n".join(lines) + "\n")
-        (out / "summary.json").write_text(
-            json.dumps(
-                _finite(
-                    {
-                        "elapsed_s": state.elapsed(),
-                        "steps": state.steps,
-                        "samples": state.samples,
-                        "restarts": state.restarts,
-                        "budget_min": _budget_minutes(state, args),
-                        "replicas": replicas,
-                        "history_fields": list(HISTORY_FIELDS),
-                        "history": state.history,
-                        "valid": state.valid,
-                    }
-                ),
-                indent=1,
-            )
+        text = "\n".join(lines) + "\n"
+        write_atomic(out / "summary.txt", lambda tmp: tmp.write_text(text))
+        record = json.dumps(
+            _finite(
+                {
+                    "elapsed_s": state.elapsed(),
+                    "steps": state.steps,
+                    "samples": state.samples,
+                    "restarts": state.restarts,
+                    "budget_min": _budget_minutes(state, args),
+                    "replicas": replicas,
+                    "history_fields": list(HISTORY_FIELDS),
+                    "history": state.history,
+                    "valid": state.valid,
+                }
+            ),
+            indent=1,
         )
+        # Last: its presence tells the launcher (and a reader) that every output is complete.
+        write_atomic(out / "summary.json", lambda tmp: tmp.write_text(record))
         print("\n".join(lines), flush=True)
     return 0
 
