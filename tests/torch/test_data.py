@@ -216,8 +216,7 @@ def test_batch_size_switch_keeps_exactly_once(monkeypatch):
 
     monkeypatch.setattr(_metrics, "suggest_batch_size", suggest)
     dl = at.AdaptiveDataLoader(_ids(200), batch_size=4, shuffle=True)
-    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32))
-    dl._elastic.reoptimize_every = 3
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32), reoptimize_every=3)
     sizes, seen = [], []
     for (x,) in dl:
         sizes.append(len(x))
@@ -248,6 +247,38 @@ def test_decisions_come_soon_after_a_change_then_at_doubling_intervals(monkeypat
     gaps = [b - a for a, b in zip(steps_at_call, steps_at_call[1:])]
     assert steps_at_call[0] == 0
     assert gaps[:6] == [first, first, 2 * first, 4 * first, 50, 50]
+
+
+def test_reoptimize_every_caps_the_gap_between_decisions(monkeypatch):
+    """autoscale_batch_size(reoptimize_every=N): the doubling gaps stop at N, not at 50."""
+    from adaptrain.torch import _metrics
+
+    steps_at_call = []
+    seen = {"steps": 0}
+
+    def suggest(num_nodes, num_replicas, atomic, accum, min_improvement=0.05):
+        steps_at_call.append(seen["steps"])
+        return None  # never change: the gaps only double
+
+    monkeypatch.setattr(_metrics, "suggest_batch_size", suggest)
+    dl = at.AdaptiveDataLoader(_ids(4 * 200), batch_size=4)
+    cap = 2 * (_metrics.MIN_SAMPLES + 1) + 1
+    dl.autoscale_batch_size(64, local_bsz_bounds=(1, 32), reoptimize_every=cap)
+    assert dl._elastic.reoptimize_every == cap
+    for (_x,) in dl:
+        seen["steps"] += 1
+    gaps = [b - a for a, b in zip(steps_at_call, steps_at_call[1:])]
+    first = _metrics.MIN_SAMPLES + 1
+    assert gaps[:5] == [first, 2 * first, cap, cap, cap]
+    dl.autoscale_batch_size(64)  # None keeps the value set before
+    assert dl._elastic.reoptimize_every == cap
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
+def test_reoptimize_every_rejects_what_is_not_a_positive_int(bad):
+    dl = at.AdaptiveDataLoader(_ids(16), batch_size=4)
+    with pytest.raises(ValueError, match="reoptimize_every="):
+        dl.autoscale_batch_size(64, reoptimize_every=bad)
 
 
 def test_a_segment_goes_on_across_passes(monkeypatch):

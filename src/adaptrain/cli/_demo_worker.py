@@ -330,8 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_batch_size,
         local_bsz_bounds=(MIN_LOCAL_BSZ, args.max_local_bsz),
         gradient_accumulation=True,
+        reoptimize_every=args.reoptimize_every,
     )
-    train_loader._elastic.reoptimize_every = args.reoptimize_every
     valid_loader = adl.AdaptiveDataLoader(valid_set, batch_size=256)
 
     state = DemoState()

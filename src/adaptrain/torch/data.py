@@ -372,6 +372,8 @@ class AdaptiveDataLoaderHelper:
         max_batch_size: int,
         local_bsz_bounds: tuple[int | None, int | None] | None = None,
         gradient_accumulation: bool = False,
+        *,
+        reoptimize_every: int | None = None,
     ) -> None:
         """Let the batch size adapt up to ``max_batch_size`` (global); call once after creation.
 
@@ -379,9 +381,15 @@ class AdaptiveDataLoaderHelper:
         gradient accumulation), in place of any earlier one: a training loader created anew
         each epoch takes over from the previous epoch's.
 
+        ``reoptimize_every`` (keyword only, an adaptrain extension; None keeps the current
+        value, 50 by default): the most optimizer steps between two batch-size decisions once
+        the configuration has settled (after a change the next decision comes within a few
+        steps, and the gap then doubles up to this).
+
         Raises:
-            ValueError: ``max_batch_size`` not an int ≥ the initial batch size, or bounds that are
-                not ``(min, max)`` with ``1 ≤ min ≤ max`` and ``min ≤ max_batch_size``.
+            ValueError: ``max_batch_size`` not an int ≥ the initial batch size, bounds that are
+                not ``(min, max)`` with ``1 ≤ min ≤ max`` and ``min ≤ max_batch_size``, or a
+                ``reoptimize_every`` that is not an int ≥ 1.
                 (``min × replicas > max_batch_size`` is only logged: the global batch size then
                 exceeds ``max_batch_size`` on this replica count.)
             RuntimeError: called while another loader, the training loader, is being iterated
@@ -395,6 +403,15 @@ class AdaptiveDataLoaderHelper:
             raise ValueError(
                 f"max_batch_size={max_batch_size!r} must be an int ≥ the loader's "
                 f"batch_size={self.batch_size}"
+            )
+        if reoptimize_every is not None and (
+            isinstance(reoptimize_every, bool)
+            or not isinstance(reoptimize_every, int)
+            or reoptimize_every < 1
+        ):
+            raise ValueError(
+                f"reoptimize_every={reoptimize_every!r} must be an int ≥ 1 (optimizer steps "
+                "between two batch-size decisions), or None to keep the current value"
             )
         if local_bsz_bounds is not None:
             try:
@@ -431,6 +448,8 @@ class AdaptiveDataLoaderHelper:
         self._max_batch_size = max_batch_size
         self._local_bsz_bounds = local_bsz_bounds
         self._gradient_accumulation = bool(gradient_accumulation)
+        if reoptimize_every is not None:
+            self.reoptimize_every = reoptimize_every
         num_replicas, rank = _world()
         lo = local_bsz_bounds[0] if local_bsz_bounds is not None else None
         if rank == 0 and lo is not None and lo * num_replicas > max_batch_size:
@@ -661,9 +680,16 @@ class AdaptiveDataLoaderMixin:
         max_batch_size: int,
         local_bsz_bounds: tuple[int | None, int | None] | None = None,
         gradient_accumulation: bool = False,
+        *,
+        reoptimize_every: int | None = None,
     ) -> None:
         """See :meth:`AdaptiveDataLoaderHelper.autoscale_batch_size`."""
-        self._elastic.autoscale_batch_size(max_batch_size, local_bsz_bounds, gradient_accumulation)
+        self._elastic.autoscale_batch_size(
+            max_batch_size,
+            local_bsz_bounds,
+            gradient_accumulation,
+            reoptimize_every=reoptimize_every,
+        )
 
     @property
     def current_local_bsz(self) -> int | None:
