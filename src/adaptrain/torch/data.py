@@ -243,8 +243,13 @@ class _AdaptiveDataLoaderState(checkpoint.State):
         self.num_replicas = d["num_replicas"]
 
 
+def _positive_int(value: Any) -> bool:
+    """``value`` is an int ≥ 1 (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _check_batch_size(batch_size: Any) -> int:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not _positive_int(batch_size):
         raise ValueError(f"batch_size={batch_size!r} must be a positive int (global batch size)")
     return batch_size
 
@@ -395,20 +400,12 @@ class AdaptiveDataLoaderHelper:
             RuntimeError: called while another loader, the training loader, is being iterated
                 (it would stop being the training loader mid-loop).
         """
-        if (
-            isinstance(max_batch_size, bool)
-            or not isinstance(max_batch_size, int)
-            or max_batch_size < self.batch_size
-        ):
+        if not _positive_int(max_batch_size) or max_batch_size < self.batch_size:
             raise ValueError(
                 f"max_batch_size={max_batch_size!r} must be an int ≥ the loader's "
                 f"batch_size={self.batch_size}"
             )
-        if reoptimize_every is not None and (
-            isinstance(reoptimize_every, bool)
-            or not isinstance(reoptimize_every, int)
-            or reoptimize_every < 1
-        ):
+        if reoptimize_every is not None and not _positive_int(reoptimize_every):
             raise ValueError(
                 f"reoptimize_every={reoptimize_every!r} must be an int ≥ 1 (optimizer steps "
                 "between two batch-size decisions), or None to keep the current value"
@@ -422,7 +419,7 @@ class AdaptiveDataLoaderHelper:
                     "max_local_bsz)"
                 ) from None
             for v in (lo, hi):
-                if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                if v is not None and not _positive_int(v):
                     raise ValueError(
                         f"local_bsz_bounds={local_bsz_bounds!r}: bounds must be positive ints "
                         "or None"

@@ -139,7 +139,7 @@ class AdaptiveDataParallel(DistributedDataParallel):
             return self.module(*args, **kwargs)
         if not self.training:
             return super().forward(*args, **kwargs)
-        # Every training forward runs this: plain attribute reads, calls only where needed.
+        # Every training forward runs this: plain attribute reads and a few cheap calls.
         rt = self._rt
         self._restore_grads()  # gradients set aside by accumulation micro-batches, if any
         rule = self.scaling_rule
