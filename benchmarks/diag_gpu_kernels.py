@@ -1,13 +1,14 @@
 """Diagnostic (GPU): which kernels, copies and host synchronisations ADP adds to a DDP step.
 
-    python benchmarks/diag_gpu_kernels.py [--widths 1024 4096] [--blocks 31]
+    python benchmarks/diag_gpu_kernels.py [--widths 1024 4096] [--blocks 31] [--no-profile]
 
 One process, NCCL, on a CUDA GPU. For the MLP 64-W-W-10 at batch 32 (W = 1024: 1.1M parameters,
 4096: 17.1M), builds plain DDP and AdaptiveDataParallel (default statistics, warmed until the
 sampling interval has settled), then:
 
-* times ``--blocks`` alternating blocks of 62 steps of each (one sampled ADP step per block)
-  and prints the median step times and the median paired ratio;
+* times ``--blocks`` rotating blocks of 62 steps of DDP, ADP (one sampled step per block) and
+  ADP with statistics off (no sampled step, no host synchronisation), and prints the median
+  step times and the median paired ratios to DDP;
 * profiles one 62-step block of each with ``torch.profiler`` (CPU and CUDA) and prints, per
   step, every operator, kernel and CUDA runtime call whose count or device time differs between
   the two, and every synchronisation.
@@ -28,8 +29,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from adaptrain.dist.spawn import spawn
 
+# plain DDP, ADP (default sampled statistics), ADP with statistics off (no sampled step, so no
+# host synchronisation: its bookkeeping and the scaling rule's step hooks only)
+VARIANTS = ("ddp", "adp", "adp-nostats")
 
-def worker(rank, ws, width, blocks):
+
+def worker(rank, ws, width, blocks, profile_too):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_overhead import _model
     from torch.profiler import ProfilerActivity, profile
@@ -41,12 +46,15 @@ def worker(rank, ws, width, blocks):
     models = {}
     x = torch.randn(32, 64, device=dev)
     y = torch.randint(0, 10, (32,), device=dev)
-    for name in ("ddp", "adp"):
+    for name in VARIANTS:
         m = _model(width).to(dev)
         opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
-        model = (
-            DistributedDataParallel(m) if name == "ddp" else AdaptiveDataParallel(m, opt, name="x")
-        )
+        if name == "ddp":
+            model = DistributedDataParallel(m)
+        else:
+            model = AdaptiveDataParallel(m, opt, name=name)
+            if name == "adp-nostats":
+                model.gns._collector = None  # no sampled steps: bookkeeping and hooks only
         models[name] = (model, opt)
 
     def step(model, opt):
@@ -61,9 +69,10 @@ def worker(rank, ws, width, blocks):
     while adp.gns.sample_interval() < adp.gns.settled_interval():
         step(*models["adp"])
     out = {"interval": adp.gns.sample_interval()}
-    times = {"ddp": [], "adp": []}
+    times = {n: [] for n in VARIANTS}
     for r in range(blocks):
-        for name in ("ddp", "adp") if r % 2 == 0 else ("adp", "ddp"):
+        k = r % len(VARIANTS)
+        for name in VARIANTS[k:] + VARIANTS[:k]:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(62):
@@ -71,8 +80,10 @@ def worker(rank, ws, width, blocks):
             torch.cuda.synchronize()
             times[name].append((time.perf_counter() - t0) / 62 * 1e6)
     out["median_us"] = {k: statistics.median(v) for k, v in times.items()}
-    out["ratio"] = statistics.median(a / d for a, d in zip(times["adp"], times["ddp"]))
-    for name in ("ddp", "adp"):
+    out["ratio"] = {
+        n: statistics.median(a / d for a, d in zip(times[n], times["ddp"])) for n in VARIANTS[1:]
+    }
+    for name in ("ddp", "adp") if profile_too else ():
         model, opt = models[name]
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -97,25 +108,31 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--blocks", type=int, default=31)
+    ap.add_argument("--no-profile", action="store_true", help="the timings only")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("diag_gpu_kernels.py needs a CUDA GPU")
     for width in a.widths:
-        r = spawn(worker, 1, args=(width, a.blocks), backend="nccl", timeout=600)[0]
-        print(
-            f"##### width {width}: interval {r['interval']} median us {r['median_us']} ratio {r['ratio']:.4f}"
-        )
+        args = (width, a.blocks, not a.no_profile)
+        r = spawn(worker, 1, args=args, backend="nccl", timeout=600)[0]
+        med = ", ".join(f"{n} {v:.0f}" for n, v in r["median_us"].items())
+        ratio = ", ".join(f"{n} {v:.4f}" for n, v in r["ratio"].items())
+        print(f"##### width {width}: interval {r['interval']}; median us/step: {med}")
+        print(f"      median paired ratio to ddp: {ratio}")
+        if a.no_profile:
+            continue
         d = {k: (c, t, g) for k, c, t, g in r["ddp"]}
-        a = {k: (c, t, g) for k, c, t, g in r["adp"]}
+        o = {k: (c, t, g) for k, c, t, g in r["adp"]}
         for nm, rows in (("ddp", r["ddp"]), ("adp", r["adp"])):
             print(f"-- {nm}: total self device us/step {sum(g for _, _, _, g in rows):.1f}")
             for k, c, t, g in sorted(rows, key=lambda z: -z[3])[:8]:
                 print(f"   {k[:70]:70s} n={c:5d} cpu={t:8.1f} dev={g:7.1f}")
         print("-- differing counts / device time > 1us")
-        for k in sorted(set(d) | set(a)):
+        for k in sorted(set(d) | set(o)):
             cd, td, gd = d.get(k, (0, 0, 0))
-            ca, ta, ga = a.get(k, (0, 0, 0))
+            ca, ta, ga = o.get(k, (0, 0, 0))
             if cd != ca or abs(gd - ga) > 1.0 or "ynchron" in k:
                 print(
-                    f"   {k[:70]:70s} ddp n={cd} cpu={td:.1f} dev={gd:.1f} | adp n={ca} cpu={ta:.1f} dev={ga:.1f}"
+                    f"   {k[:70]:70s} ddp n={cd} cpu={td:.1f} dev={gd:.1f} | "
+                    f"adp n={ca} cpu={ta:.1f} dev={ga:.1f}"
                 )
