@@ -35,6 +35,8 @@ VARIANTS = {
     "waterfill-noexplore": lambda: WaterfillPolicy(explore_beta=None),
     # without the credit for the ramp a capped job's next step unlocks (session 12)
     "waterfill-noramp": lambda: WaterfillPolicy(ramp_credit=None),
+    # AdaptDL's exploration cap (2x the largest size tried) instead of our 4x (session 23)
+    "waterfill-cap2": lambda: WaterfillPolicy(explore_growth=None),
     # three independent genetic refinements per round, the fittest kept (about 3x the time)
     "waterfill-3runs": lambda: WaterfillPolicy(genetic_runs=3),
 }

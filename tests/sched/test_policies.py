@@ -86,13 +86,21 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(cluster_and_jobs())
-def test_waterfill_respects_constraints(case):
+@given(cluster_and_jobs(), st.sampled_from([4.0, None]))
+def test_waterfill_respects_constraints(case, growth):
+    """Within capacity, min replicas, interference rules and its own bound (explore_growth
+    times the tried size, within replica_limit); the allocator's cap without it."""
     jobs, nodes, base = case
-    alloc = WaterfillPolicy(gpus_per_node=max(n.gpus for n in nodes.values())).optimize(
-        jobs, nodes, base, 0.0
+    policy = WaterfillPolicy(
+        gpus_per_node=max(n.gpus for n in nodes.values()), explore_growth=growth
     )
-    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
+    alloc = {k: v for k, v in policy.optimize(jobs, nodes, base, 0.0).items() if v}
+    check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
+    for k, v in alloc.items():
+        limit = jobs[k].replica_limit or jobs[k].max_replicas
+        assert len(v) <= limit
+    if growth is None:
+        check_allocations(alloc, jobs, nodes, interference=True)
 
 
 @SETTINGS

@@ -149,8 +149,8 @@ def test_policies_keep_every_non_preemptible_allocation(case, data):
             check_allocations(
                 alloc, {k: dataclasses.replace(j, min_replicas=0) for k, j in jobs.items()}, nodes
             )
-        else:
-            check_allocations(alloc, jobs, nodes, interference=True)
+        else:  # waterfill within its own bound (explore_growth), the others the allocator's
+            check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
 
 
 # ---- 2. clusters with 0-GPU nodes -----------------------------------------------------------

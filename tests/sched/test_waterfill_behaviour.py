@@ -14,6 +14,7 @@ from adaptrain.sched import (
     RampSpeedup,
     WaterfillPolicy,
     check_allocations,
+    replica_bound,
 )
 
 
@@ -123,6 +124,8 @@ def test_las_weighting_prefers_less_attained_service():
         {"gpus_per_node": 0},
         {"search": "anneal"},
         {"genetic_runs": 0},
+        {"explore_growth": 0.5},
+        {"explore_growth": float("nan")},
     ],
 )
 def test_bad_arguments_raise(kwargs):
@@ -449,13 +452,15 @@ def test_young_job_held_by_its_cap_ramps_past_a_flat_donor(search):
     cannot tell the cap from the job's own limit (no replica_limit)."""
     case = dict(donor_fn=_power(0.3, 3.0), donor_work=3e4, donor_age=2500.0, donor_restarts=13)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
-    alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)
+    # the ramp at the allocator's cap of 2 (explore_growth widens it: tested below)
+    kw = dict(search=search, explore_growth=None)
+    alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
     assert len(alloc["young"]) == 2 and len(alloc["donor"]) == 6
-    off = WaterfillPolicy(search=search, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
+    off = WaterfillPolicy(**kw, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
     assert len(off["young"]) == 1 and len(off["donor"]) == 7
     jobs, nodes, base = _ramp_case(**case)  # replica_limit unknown: no ramp to credit
-    assert len(WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)["young"]) == 1
+    assert len(WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)["young"]) == 1
 
 
 @pytest.mark.parametrize("search", ["local", "genetic"])
@@ -466,13 +471,14 @@ def test_a_ramp_is_credited_only_as_far_as_it_wins_gpus(search):
     it (shown with that bonus applied by hand)."""
     case = dict(donor_fn=LinearSpeedup(), donor_work=None, donor_age=1e5, donor_restarts=1)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
-    alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)
+    kw = dict(search=search, explore_growth=None)  # the ramp at the allocator's cap of 2
+    alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
     assert len(alloc["young"]) == 1 and len(alloc["donor"]) == 7
     s = _power(0.7)
     rate = 60.0 / (108.0 + 30.0)  # one round over the young job's restart horizon
     forced = RampSpeedup(s, max_profiled_replicas=1, cap=2, bonus=rate * float(s(2, 8) - s(1, 2)))
     jobs, nodes, base = _ramp_case(**case, fn=forced)
-    alloc = WaterfillPolicy(search=search, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
+    alloc = WaterfillPolicy(**kw, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
     assert len(alloc["young"]) == 2
 
 
@@ -485,3 +491,64 @@ def test_ramp_arguments_are_validated():
         WaterfillPolicy(round_seconds=0.0)
     with pytest.raises(ValueError, match="replica_limit"):
         JobInfo(0.0, max_replicas=4, replica_limit=2)
+
+
+@pytest.mark.parametrize(
+    "r0, cap, limit, want",
+    [
+        (0, 1, 16, 1),  # never run: one GPU, whatever the growth
+        (1, 2, 16, 4),
+        (2, 4, 16, 8),
+        (3, 6, 10, 10),  # within the job's limit
+        (8, 16, 16, 16),  # the cap already at the limit
+        (2, 4, None, 4),  # no known limit: the allocator's cap is the limit
+    ],
+)
+def test_replica_bound_widens_the_allocators_cap_within_the_limit(r0, cap, limit, want):
+    job = JobInfo(0.0, max_replicas=cap, max_profiled_replicas=r0, replica_limit=limit)
+    assert WaterfillPolicy().replica_bound(job) == want  # explore_growth = 4
+    assert WaterfillPolicy(explore_growth=None).replica_bound(job) == cap
+    assert WaterfillPolicy(explore_growth=1.0).replica_bound(job) == cap  # never below it
+    assert replica_bound(WaterfillPolicy(), job) == want
+    assert replica_bound(object(), job) == cap  # a policy without its own rule
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_lone_job_grows_four_times_its_tried_size(search):
+    """A job that has run on 2 GPUs, alone on 16 with a linear speedup and hours of work left:
+    the allocator's cap holds it at 4; explore_growth = 4 takes it to 8 in one step. The
+    allocation is valid for the policy's bound and breaks the allocator's cap."""
+    nodes = _cluster(4, 4)
+    job = JobInfo(
+        0.0,
+        max_replicas=4,
+        replica_limit=16,
+        max_profiled_replicas=2,
+        speedup_fn=LinearSpeedup(),
+        remaining_work=1e6,
+        age=1e4,
+        num_restarts=1,
+    )
+    jobs, base = {"a": job}, {"a": [0, 0]}
+    policy = WaterfillPolicy(search=search)
+    alloc = policy.optimize(jobs, nodes, base, 0.0)
+    assert len(alloc["a"]) == 8
+    check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
+    with pytest.raises(RuntimeError, match="outside"):
+        check_allocations(alloc, jobs, nodes)  # the allocator's cap alone
+    capped = WaterfillPolicy(search=search, explore_growth=None)
+    alloc = capped.optimize(jobs, nodes, base, 0.0)
+    assert len(alloc["a"]) == 4
+    check_allocations(alloc, jobs, nodes, interference=True)
+
+
+def test_a_policy_bound_beyond_the_job_limit_is_an_error():
+    class Greedy:
+        def replica_bound(self, job):
+            return 64
+
+    job = JobInfo(0.0, max_replicas=2, replica_limit=8, max_profiled_replicas=1)
+    with pytest.raises(RuntimeError, match="replica_bound gave 64"):
+        replica_bound(Greedy(), job)
+    with pytest.raises(RuntimeError, match="replica_bound gave 64"):
+        check_allocations({"a": [0]}, {"a": job}, _cluster(1, 4), policy=Greedy())

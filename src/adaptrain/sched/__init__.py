@@ -1,7 +1,14 @@
 """Cluster scheduling: Pollux policy, Tiresias/Optimus baselines, our policy, and a simulator."""
 
 from .optimus import OptimusPolicy
-from .policy_base import Allocation, JobInfo, NodeInfo, Policy, check_allocations
+from .policy_base import (
+    Allocation,
+    JobInfo,
+    NodeInfo,
+    Policy,
+    check_allocations,
+    replica_bound,
+)
 from .pollux import PolluxPolicy
 from .simulator import SimJob, SimResult, SimulationStalled, Simulator
 from .speedup import ExploringSpeedup, LinearSpeedup, RampSpeedup, SpeedupFunction
@@ -31,4 +38,5 @@ __all__ = [
     "check_allocations",
     "load_applications",
     "load_workload",
+    "replica_bound",
 ]

@@ -19,6 +19,7 @@ __all__ = [
     "NodeInfo",
     "Policy",
     "check_allocations",
+    "replica_bound",
     "pack_replicas",
 ]
 
@@ -37,9 +38,13 @@ class JobInfo:
     ``max_profiled_replicas`` is the largest replica count the job has run on (0 if unknown):
     its speedup beyond that size is an extrapolation of its goodput model.
     ``replica_limit`` is the most replicas the job may ever get (its own and the cluster's
-    limit), ``None`` if that is ``max_replicas``. A ``max_replicas`` below it is the scheduler's
-    exploration cap (AdaptDL's rule: at most twice the largest size the job has run on), which
-    lifts as the job grows.
+    limit), ``None`` if that is ``max_replicas``. A ``max_replicas`` below it is the allocator's
+    default exploration cap (AdaptDL's rule: at most twice the largest size the job has run on),
+    which lifts as the job grows. It bounds how far a job goes beyond the sizes its model has
+    seen. The cap is a scheduling choice, not a property of the job: a policy with its own
+    exploration rule may widen it up to ``replica_limit``, and says so through a
+    ``replica_bound(job)`` method (:func:`replica_bound`). Policies without one keep to
+    ``max_replicas``.
     """
 
     creation_timestamp: float
@@ -116,15 +121,39 @@ def pack_replicas(
     return alloc
 
 
+def replica_bound(policy: object, job: JobInfo) -> int:
+    """The most replicas ``policy`` may give ``job`` now: ``policy.replica_bound(job)`` for a
+    policy with its own exploration rule, else ``job.max_replicas``.
+
+    A policy's own bound must lie in ``[max_replicas, replica_limit]``: it may widen the
+    allocator's exploration cap, never the job's limit. ``RuntimeError`` otherwise.
+    """
+    fn = getattr(policy, "replica_bound", None)
+    if fn is None:
+        return job.max_replicas
+    bound = int(fn(job))
+    limit = job.max_replicas if job.replica_limit is None else job.replica_limit
+    if not job.max_replicas <= bound <= limit:
+        raise RuntimeError(
+            f"{type(policy).__name__}.replica_bound gave {bound}, outside [max_replicas="
+            f"{job.max_replicas}, replica_limit={limit}]"
+        )
+    return bound
+
+
 def check_allocations(
     allocations: Mapping[str, list[int]],
     jobs: Mapping[str, JobInfo],
     nodes: Mapping[int, NodeInfo],
     *,
     interference: bool = False,
+    policy: object | None = None,
 ) -> None:
     """Raise ``RuntimeError`` if allocations break capacity, replica bounds or (optionally)
-    interference avoidance (at most one multi-node job per node)."""
+    interference avoidance (at most one multi-node job per node).
+
+    A job's upper bound is its ``max_replicas``, or with ``policy`` :func:`replica_bound`
+    (the policy's own exploration rule, within the job's ``replica_limit``)."""
     used: collections.Counter = collections.Counter()
     multi: collections.Counter = collections.Counter()
     for key, alloc in allocations.items():
@@ -132,10 +161,9 @@ def check_allocations(
             raise RuntimeError(f"allocation for unknown job {key!r}")
         n = len(alloc)
         job = jobs[key]
-        if n and not job.min_replicas <= n <= job.max_replicas:
-            raise RuntimeError(
-                f"job {key!r} got {n} replicas outside [{job.min_replicas}, {job.max_replicas}]"
-            )
+        hi = job.max_replicas if policy is None else replica_bound(policy, job)
+        if n and not job.min_replicas <= n <= hi:
+            raise RuntimeError(f"job {key!r} got {n} replicas outside [{job.min_replicas}, {hi}]")
         used.update(alloc)
         if len(set(alloc)) > 1:
             multi.update(set(alloc))

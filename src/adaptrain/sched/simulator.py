@@ -516,7 +516,8 @@ class Simulator:
         limit = min(self.replica_cap(job.app), job.app.max_batch_size // job.app.min_local_bsz)
         if job.app.name == "ncf":
             limit = 1
-        # the exploration cap: at most twice the largest size the job has run on
+        # the allocator's default exploration cap (AdaptDL's): at most twice the largest size
+        # the job has run on; a policy with its own rule may widen it up to the limit
         max_replicas = min(max(2 * job.max_profiled_replicas, 1), limit)
         return JobInfo(
             creation_timestamp=job.submission_time,
@@ -572,7 +573,7 @@ class Simulator:
             self.policy_seconds.append(_time.perf_counter() - t0)
             allocations = {k: list(v) for k, v in allocations.items() if v}
             if self.check:
-                check_allocations(allocations, infos, nodes)
+                check_allocations(allocations, infos, nodes, policy=self.policy)
             for job in self.jobs:
                 new, old = allocations.get(job.name), base.get(job.name)
                 if new != old:

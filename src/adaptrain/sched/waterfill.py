@@ -63,10 +63,29 @@ it. Same-run effect on workloads 1/3/5/6 (avg JCT / stored Pollux, without -> wi
 0.903/0.986/0.883/0.914; over all 16 files at loads 0.5-2.0 better on 13 (by 0.1-1.9%), worse
 on 3 (by 0.2-1.8%) (``benchmarks/results/sched.md``, session 6).
 
+Exploration cap (``explore_growth``, default 4; ``None`` keeps the allocator's): the allocator
+caps a job at twice the largest size it has run on (AdaptDL's rule, ``JobInfo.max_replicas``),
+so a job that wants 16 GPUs climbs 1 -> 2 -> 4 -> 8 -> 16, a round and a 30 s restart per step.
+The cap bounds how far a scheduler trusts a goodput model beyond the sizes it was fitted on; it
+is the scheduler's choice, not the job's (AdaptDL's allocator applies it, from the job's hints).
+This policy goes up to ``explore_growth`` times the largest tried size (1 -> 4 -> 16), within
+the job's ``replica_limit`` and never below ``max_replicas`` (:meth:`replica_bound`; a job
+never run still starts on one GPU). The goodput model prices the larger size as it does any
+other (with the optimistic floor above for long jobs), and the first round there measures it.
+Same-run effect on workloads 1/3/5/6 (avg JCT / stored Pollux, 2x -> 4x): load 0.5
+1.009/1.019/1.002/0.999 -> 0.946/0.955/0.938/0.951, load 1.0 0.900/0.970/0.891/0.912 ->
+0.907/0.947/0.864/0.868, load 1.5 0.843/0.910/0.863/0.869 -> 0.853/0.908/0.855/0.859, load 2.0
+0.841/0.897/0.871/0.892 -> 0.851/0.892/0.874/0.895: the mean over the 16 files 0.918 -> 0.898,
+better on 11 (by 5-6% at load 0.5), worse on 5 by at most 1.2% (workload-1 at loads 1.0-2.0).
+3x and 8x were worse than 4x where tried. The rule is not ours alone to gain from: our Pollux
+given the same 4x cap went 0.997 -> 0.939 on workload-3 at load 0.5 (ahead of ours, as under
+2x) and to 0.972 on workload-6 at load 1.0, where ours stays 11% ahead
+(``benchmarks/results/sched.md``, session 23).
+
 Ramp credit (``ramp_credit``, default 1; ``None`` turns it off): a job held by its exploration
-cap (``JobInfo.max_replicas`` below its ``replica_limit``: at most twice the largest size it has
-run on) that wants to be much larger reaches its size by doubling, one round per step. Judged
-by the speedup at the cap alone, the first steps of a young job are worth little (its model,
+cap (the bound above, below its ``replica_limit``) that wants to be much larger reaches its
+size step by step, one round per step (doubling under the allocator's cap). Judged by the
+speedup at the cap alone, the first steps of a young job are worth little (its model,
 fitted early in training, predicts e.g. s(2) = 1.4) and lose to any donor's restart penalty, so
 the job waits at 1 GPU for rounds while its whole ramp waits with it (at load 0.5, cifar10 jobs
 waited up to 6 rounds and took 5-30% longer than under Pollux, whose p = -1 mean lifts the
@@ -133,7 +152,12 @@ class WaterfillPolicy:
         ramp_credit: float | None = 1.0,
         ramp_doublings: int = 3,
         round_seconds: float = 60.0,
+        explore_growth: float | None = 4.0,
     ) -> None:
+        if explore_growth is not None and not explore_growth >= 1.0:
+            raise ValueError(
+                f"explore_growth={explore_growth} must be >= 1, or None (the allocator's cap)"
+            )
         if explore_beta is not None and not 0.0 <= explore_beta <= 1.0:
             raise ValueError(
                 f"explore_beta={explore_beta} must lie in [0, 1], or be None (no exploration)"
@@ -169,6 +193,7 @@ class WaterfillPolicy:
         self.ramp_credit = ramp_credit
         self.ramp_doublings = ramp_doublings
         self.round_seconds = round_seconds
+        self.explore_growth = explore_growth
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -198,6 +223,25 @@ class WaterfillPolicy:
             )
         for g, st in zip(self._runs, runs, strict=True):
             g.load_state_dict(st)
+
+    def replica_bound(self, job: JobInfo) -> int:
+        """The most replicas this policy gives ``job`` now: up to ``explore_growth`` times the
+        largest size it has run on, within its ``replica_limit``, and never below the
+        allocator's ``max_replicas`` (see the module docstring)."""
+        limit = job.replica_limit
+        if self.explore_growth is None or limit is None or job.max_replicas >= limit:
+            return job.max_replicas
+        grown = math.floor(self.explore_growth * job.max_profiled_replicas)
+        return max(job.max_replicas, min(limit, grown))
+
+    def _widen(self, jobs: Mapping[str, JobInfo]) -> Mapping[str, JobInfo]:
+        """The jobs with ``max_replicas`` set to :meth:`replica_bound`."""
+        out = dict(jobs)
+        for k, job in jobs.items():
+            bound = self.replica_bound(job)
+            if bound != job.max_replicas:
+                out[k] = dataclasses.replace(job, max_replicas=bound)
+        return out
 
     def _explore(self, jobs: Mapping[str, JobInfo]) -> Mapping[str, JobInfo]:
         """Jobs whose speedup beyond their largest tried size is made optimistic (see the
@@ -288,7 +332,7 @@ class WaterfillPolicy:
         """One round: replica counts by local search, then placement."""
         if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
             return {}
-        jobs = self._explore(jobs)
+        jobs = self._explore(self._widen(jobs))
         total = sum(int(n.gpus) for n in nodes.values())
         keys = sorted(jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp))
         weight = self._weights(jobs, keys)
