@@ -90,17 +90,10 @@ def worker(rank, ws, width, blocks, profile_too):
             for _ in range(62):
                 step(model, opt)
             torch.cuda.synchronize()
-        rows = []
-        for e in prof.key_averages():
-            rows.append(
-                (
-                    e.key,
-                    e.count,
-                    e.cpu_time_total / 62,
-                    getattr(e, "self_device_time_total", 0) / 62,
-                )
-            )
-        out[name] = rows
+        out[name] = [  # (name, count, CPU µs per step, own device µs per step)
+            (e.key, e.count, e.cpu_time_total / 62, e.self_device_time_total / 62)
+            for e in prof.key_averages()
+        ]
     return out
 
 
