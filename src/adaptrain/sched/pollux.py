@@ -92,10 +92,19 @@ def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
     return dist
 
 
+_STATE_DTYPE = np.int16  # replica counts per (job, node) cell
+
+
 class PolluxPolicy:
     """Genetic-algorithm Pollux policy (``pop_size`` x ``generations`` per round)."""
 
     name = "pollux"
+    # Random draws for every cell (the artifact's operators), or only where an operator acts
+    # (same distributions, a different random stream; a subclass's choice)
+    _sparse_draws = False
+    # Children bred per batch, over pop_size: a batch of duplicates is bred again, so a larger
+    # first batch (once the population converges) saves a second round of operators
+    _offspring_factor = 1.0
 
     def __init__(
         self,
@@ -131,7 +140,7 @@ class PolluxPolicy:
 
     def load_state_dict(self, state: dict) -> None:
         prev = state["prev_states"]
-        self._prev_states = None if prev is None else np.array(prev, dtype=np.int64)
+        self._prev_states = None if prev is None else np.array(prev, dtype=_STATE_DTYPE)
         self._prev_jobs = list(state["prev_jobs"])
         self._prev_nodes = list(state["prev_nodes"])
         self.rng.bit_generator.state = state["rng"]
@@ -144,6 +153,11 @@ class PolluxPolicy:
         is the current allocation: a non-preemptible job's non-empty row is pinned."""
         J = len(jobs)
         self._cap = np.array([n.gpus for n in nodes], dtype=np.int64)
+        if self._cap.max(initial=0) > np.iinfo(_STATE_DTYPE).max:
+            raise ValueError(
+                f"a node with {self._cap.max()} GPUs: the genetic search counts at most "
+                f"{np.iinfo(_STATE_DTYPE).max} replicas per node; split it into several nodes"
+            )
         total = int(self._cap.sum())
         N = int(np.count_nonzero(self._cap > 0))  # a node without GPUs counts as no node
         self._share = 1.0 / total  # dominant share of one replica (one GPU)
@@ -152,7 +166,7 @@ class PolluxPolicy:
         self._max_rep = np.array([j.max_replicas for j in jobs], dtype=np.int64)
         self._min_rep = np.array([j.min_replicas for j in jobs], dtype=np.int64)
         if base is None:
-            base = np.zeros((J, len(nodes)), dtype=np.int64)
+            base = np.zeros((J, len(nodes)), dtype=_STATE_DTYPE)
         preemptible = np.array([j.preemptible for j in jobs], dtype=bool)
         self._pinned = ~preemptible & (base.sum(axis=1) > 0)  # (J,)
         self._pinned_rows = base[self._pinned].copy()
@@ -229,20 +243,30 @@ class PolluxPolicy:
         P, J, N = states.shape
         reset = rng.random((P, J)) < 0.1
         states = np.where(reset[:, :, None], base[None], states)
-        prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
-        states = np.where(rng.random(states.shape) < prob[:, :, None], 0, states)
+        if self._sparse_draws:  # draw only for the rows picked (the same distribution)
+            picked = rng.random((P, J)) < 0.1
+            zero = np.zeros(states.shape, dtype=bool)
+            zero[picked] = rng.random((int(picked.sum()), N)) < 0.1
+        else:
+            prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
+            zero = rng.random(states.shape) < prob[:, :, None]
+        states = np.where(zero, 0, states)
         free = self._cap[None] - states.sum(axis=1)  # (P, N)
         mask1 = np.broadcast_to((free >= 1)[:, None, :], states.shape)
         prob1 = mask1 / np.maximum(mask1.sum(axis=1, keepdims=True), 1)
         mask2 = (states > 0) & mask1
         prob2 = mask2 / np.maximum(mask2.sum(axis=1, keepdims=True), 1)
         m = rng.random(states.shape) < prob1 + prob2 - prob1 * prob2
+        if self._sparse_draws:  # a new count only for the cells mutated
+            out = states.astype(_STATE_DTYPE)
+            hi = self._cap[np.nonzero(m)[2]]
+            out[m] = rng.integers(np.minimum(states[m], hi), hi + 1)
+            return out
         hi = np.broadcast_to(self._cap[None, None, :], states.shape)
         r = rng.integers(np.minimum(states, hi), hi + 1)
-        return np.where(m, r, states)
+        return np.where(m, r, states).astype(_STATE_DTYPE)
 
     def _repair(self, states: np.ndarray) -> np.ndarray:
-        rng = self.rng
         states = states.copy()
         # non-preemptible running jobs keep their exact allocation, whatever the operators did;
         # the other jobs yield to them (capacity first, nodes of a pinned multi-node job)
@@ -257,15 +281,16 @@ class PolluxPolicy:
             drop[:, pinned] = False
             states[drop] = 0
         # Max replicas per job and max nodes per job, filling nodes in a random order.
-        shuffle = np.argsort(rng.random(states.shape), axis=2)
-        st = np.take_along_axis(states, shuffle, axis=2)
-        st = np.minimum(np.cumsum(st, axis=2), self._max_rep[None, :, None])
-        st = np.diff(st, axis=2, prepend=0)
-        keep = np.diff(
-            np.minimum(np.cumsum(st > 0, axis=2), self.max_nodes_per_job), axis=2, prepend=0
-        )
-        st[keep == 0] = 0
-        states = np.take_along_axis(st, np.argsort(shuffle, axis=2), axis=2)
+        flat = states.reshape(-1, states.shape[2])  # a view: rows are (candidate, job) pairs
+        max_rep = np.broadcast_to(self._max_rep[None], states.shape[:2]).reshape(-1)
+        if self._sparse_draws:  # only the rows over a bound (the others are unchanged)
+            over = (flat.sum(axis=1) > max_rep) | (
+                np.count_nonzero(flat, axis=1) > self.max_nodes_per_job
+            )
+            rows = np.flatnonzero(over)
+        else:
+            rows = slice(None)
+        flat[rows] = self._cap_rows(flat[rows], max_rep[rows])
         states[:, pinned] = self._pinned_rows[None]
         # Node capacity: pinned jobs keep theirs, then jobs earlier in priority order.
         left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)
@@ -273,7 +298,19 @@ class PolluxPolicy:
         states[:, free] = np.diff(st, axis=1, prepend=0)
         below = (states.sum(axis=2) < self._min_rep[None, :]) & free[None, :]
         states[below] = 0
-        return states
+        return states.astype(_STATE_DTYPE, copy=False)
+
+    def _cap_rows(self, rows: np.ndarray, max_rep: np.ndarray) -> np.ndarray:
+        """Each row (replicas per node) cut to ``max_rep`` replicas and ``max_nodes_per_job``
+        nodes, keeping nodes in a random order."""
+        shuffle = np.argsort(self.rng.random(rows.shape), axis=1)
+        st = np.take_along_axis(rows, shuffle, axis=1)
+        st = np.diff(np.minimum(np.cumsum(st, axis=1), max_rep[:, None]), axis=1, prepend=0)
+        keep = np.diff(
+            np.minimum(np.cumsum(st > 0, axis=1), self.max_nodes_per_job), axis=1, prepend=0
+        )
+        st[keep == 0] = 0
+        return np.take_along_axis(st, np.argsort(shuffle, axis=1), axis=1)
 
     def _keep_pinned(
         self, out: Allocation, job_keys: list[str], base_allocations: Mapping[str, Sequence[int]]
@@ -350,7 +387,7 @@ class PolluxPolicy:
         """Allocations as a jobs x nodes matrix of replica counts (unknown keys ignored)."""
         jidx = {k: i for i, k in enumerate(job_keys)}
         nidx = {k: i for i, k in enumerate(node_keys)}
-        out = np.zeros((len(job_keys), len(node_keys)), dtype=np.int64)
+        out = np.zeros((len(job_keys), len(node_keys)), dtype=_STATE_DTYPE)
         for key, alloc in allocations.items():
             if key in jidx:
                 for node in alloc:
@@ -371,7 +408,7 @@ class PolluxPolicy:
 
     def _generation(self, pop, F, rank, crowd, base: np.ndarray):
         rng = self.rng
-        n_mate = max(1, self.pop_size // 2)
+        n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
 
         def tournament(size: int) -> np.ndarray:
             a = rng.integers(len(pop), size=size)
@@ -401,7 +438,7 @@ class PolluxPolicy:
 
     def _adapt_prev(self, job_keys: list[str], node_keys: list[int]) -> np.ndarray:
         prev = self._prev_states
-        states = np.zeros((len(prev), len(job_keys), len(node_keys)), dtype=np.int64)
+        states = np.zeros((len(prev), len(job_keys), len(node_keys)), dtype=_STATE_DTYPE)
         prev_j = {k: i for i, k in enumerate(self._prev_jobs)}
         prev_n = {k: i for i, k in enumerate(self._prev_nodes)}
         dst = [i for i, k in enumerate(job_keys) if k in prev_j]
