@@ -11,7 +11,9 @@ and the wall time of the whole simulation. All figures of one table come from on
 Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
 beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
 same-run reference for what that exploration brings; ``waterfill-noramp`` likewise turns off the
-ramp credit (``WaterfillPolicy(ramp_credit=None)``).
+ramp credit (``WaterfillPolicy(ramp_credit=None)``), ``waterfill-cap2`` keeps AdaptDL's 2x
+exploration cap (``explore_growth=None``) and ``waterfill-first1`` starts every job on one GPU
+(``first_replicas=None``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ VARIANTS = {
     "waterfill-noramp": lambda: WaterfillPolicy(ramp_credit=None),
     # AdaptDL's exploration cap (2x the largest size tried) instead of our 4x (session 23)
     "waterfill-cap2": lambda: WaterfillPolicy(explore_growth=None),
+    # a job never run starts on 1 GPU (the allocator's rule) instead of up to 4 (session 24)
+    "waterfill-first1": lambda: WaterfillPolicy(first_replicas=None),
     # three independent genetic refinements per round, the fittest kept (about 3x the time)
     "waterfill-3runs": lambda: WaterfillPolicy(genetic_runs=3),
 }

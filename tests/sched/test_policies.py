@@ -86,20 +86,23 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(cluster_and_jobs(), st.sampled_from([4.0, None]))
-def test_waterfill_respects_constraints(case, growth):
+@given(cluster_and_jobs(), st.sampled_from([4.0, None]), st.sampled_from([4, None]))
+def test_waterfill_respects_constraints(case, growth, first):
     """Within capacity, min replicas, interference rules and its own bound (explore_growth
-    times the tried size, within replica_limit); the allocator's cap without it."""
+    times the tried size, first_replicas for a job never run, within replica_limit); the
+    allocator's cap without either rule."""
     jobs, nodes, base = case
     policy = WaterfillPolicy(
-        gpus_per_node=max(n.gpus for n in nodes.values()), explore_growth=growth
+        gpus_per_node=max(n.gpus for n in nodes.values()),
+        explore_growth=growth,
+        first_replicas=first,
     )
     alloc = {k: v for k, v in policy.optimize(jobs, nodes, base, 0.0).items() if v}
     check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
     for k, v in alloc.items():
         limit = jobs[k].replica_limit or jobs[k].max_replicas
         assert len(v) <= limit
-    if growth is None:
+    if growth is None and first is None:
         check_allocations(alloc, jobs, nodes, interference=True)
 
 

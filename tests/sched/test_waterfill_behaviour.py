@@ -423,6 +423,7 @@ def _ramp_case(donor_fn, donor_work: float, donor_age: float, donor_restarts: in
         "donor": JobInfo(
             0.0,
             max_replicas=8,
+            max_profiled_replicas=7,
             speedup_fn=donor_fn,
             remaining_work=donor_work,
             age=donor_age,
@@ -496,7 +497,9 @@ def test_ramp_arguments_are_validated():
 @pytest.mark.parametrize(
     "r0, cap, limit, want",
     [
-        (0, 1, 16, 1),  # never run: one GPU, whatever the growth
+        (0, 1, 16, 4),  # never run: up to first_replicas (4), whatever the growth
+        (0, 1, 2, 2),  # never run, within its limit
+        (0, 1, None, 1),  # never run, no known limit
         (1, 2, 16, 4),
         (2, 4, 16, 8),
         (3, 6, 10, 10),  # within the job's limit
@@ -506,11 +509,60 @@ def test_ramp_arguments_are_validated():
 )
 def test_replica_bound_widens_the_allocators_cap_within_the_limit(r0, cap, limit, want):
     job = JobInfo(0.0, max_replicas=cap, max_profiled_replicas=r0, replica_limit=limit)
+    new = r0 == 0  # first_replicas rules, explore_growth does not
     assert WaterfillPolicy().replica_bound(job) == want  # explore_growth = 4
-    assert WaterfillPolicy(explore_growth=None).replica_bound(job) == cap
-    assert WaterfillPolicy(explore_growth=1.0).replica_bound(job) == cap  # never below it
+    assert WaterfillPolicy(explore_growth=None).replica_bound(job) == (want if new else cap)
+    assert WaterfillPolicy(explore_growth=1.0).replica_bound(job) == (want if new else cap)
+    assert WaterfillPolicy(first_replicas=None).replica_bound(job) == (cap if new else want)
+    assert WaterfillPolicy(first_replicas=1).replica_bound(job) == (cap if new else want)
     assert replica_bound(WaterfillPolicy(), job) == want
     assert replica_bound(object(), job) == cap  # a policy without its own rule
+
+
+def _linear_job(**kw) -> JobInfo:
+    """A job with a linear speedup that may grow to 16 GPUs."""
+    return JobInfo(0.0, replica_limit=16, speedup_fn=LinearSpeedup(), **kw)
+
+
+def _new_job(**kw) -> JobInfo:
+    """A job just submitted, as the simulator reports it: no profile, a linear guess."""
+    return JobInfo(
+        10.0, max_replicas=1, replica_limit=16, speedup_fn=LinearSpeedup(), age=60.0, **kw
+    )
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_a_new_job_starts_on_up_to_first_replicas_free_gpus(search):
+    nodes = _cluster(4, 4)
+    policy = WaterfillPolicy(search=search)
+    alloc = policy.optimize({"new": _new_job()}, nodes, {}, 0.0)
+    assert len(alloc["new"]) == 4 and len(set(alloc["new"])) == 1  # one node
+    check_allocations(alloc, {"new": _new_job()}, nodes, interference=True, policy=policy)
+    old = WaterfillPolicy(search=search, first_replicas=None)
+    assert len(old.optimize({"new": _new_job()}, nodes, {}, 0.0)["new"]) == 1
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_a_new_jobs_unknown_scaling_wins_no_gpus_from_a_measured_job(search):
+    """A measured job with a linear speedup and weight 1/2 (remaining work = theta) holds 7
+    of 8 GPUs. Valued at r ** 0.5, the new job's second GPU gains 0.41 < 0.5: it takes the free
+    GPU only. Taken at its linear guess (first_beta = 1) it would take 3 GPUs from the other."""
+    theta = 16 * 3600.0
+    donor = _linear_job(max_replicas=16, max_profiled_replicas=8, remaining_work=theta, age=1e5)
+    jobs = {"donor": donor, "new": _new_job()}
+    nodes, base = _cluster(2, 4), {"donor": [0, 0, 0, 0, 1, 1, 1]}
+    alloc = WaterfillPolicy(search=search, theta=theta).optimize(jobs, nodes, base, 0.0)
+    assert len(alloc["new"]) == 1 and alloc["donor"] == base["donor"]
+    eager = WaterfillPolicy(search=search, theta=theta, first_beta=1.0)
+    alloc = eager.optimize(jobs, nodes, base, 0.0)
+    assert len(alloc["new"]) == 4 and len(alloc["donor"]) == 4
+
+
+def test_first_arguments_are_validated():
+    with pytest.raises(ValueError, match="first_replicas"):
+        WaterfillPolicy(first_replicas=0)
+    with pytest.raises(ValueError, match="first_beta"):
+        WaterfillPolicy(first_beta=1.5)
 
 
 @pytest.mark.parametrize("search", ["local", "genetic"])
@@ -519,15 +571,8 @@ def test_lone_job_grows_four_times_its_tried_size(search):
     the allocator's cap holds it at 4; explore_growth = 4 takes it to 8 in one step. The
     allocation is valid for the policy's bound and breaks the allocator's cap."""
     nodes = _cluster(4, 4)
-    job = JobInfo(
-        0.0,
-        max_replicas=4,
-        replica_limit=16,
-        max_profiled_replicas=2,
-        speedup_fn=LinearSpeedup(),
-        remaining_work=1e6,
-        age=1e4,
-        num_restarts=1,
+    job = _linear_job(
+        max_replicas=4, max_profiled_replicas=2, remaining_work=1e6, age=1e4, num_restarts=1
     )
     jobs, base = {"a": job}, {"a": [0, 0]}
     policy = WaterfillPolicy(search=search)

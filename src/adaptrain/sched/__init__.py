@@ -11,7 +11,13 @@ from .policy_base import (
 )
 from .pollux import PolluxPolicy
 from .simulator import SimJob, SimResult, SimulationStalled, Simulator
-from .speedup import ExploringSpeedup, LinearSpeedup, RampSpeedup, SpeedupFunction
+from .speedup import (
+    ExploringSpeedup,
+    LinearSpeedup,
+    PowerSpeedup,
+    RampSpeedup,
+    SpeedupFunction,
+)
 from .tiresias import TiresiasPolicy
 from .traces import Application, WorkloadJob, load_applications, load_workload
 from .waterfill import WaterfillPolicy
@@ -26,6 +32,7 @@ __all__ = [
     "OptimusPolicy",
     "Policy",
     "PolluxPolicy",
+    "PowerSpeedup",
     "RampSpeedup",
     "SimJob",
     "SimResult",

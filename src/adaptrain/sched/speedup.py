@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ExploringSpeedup", "LinearSpeedup", "RampSpeedup", "SpeedupFunction"]
+__all__ = ["ExploringSpeedup", "LinearSpeedup", "PowerSpeedup", "RampSpeedup", "SpeedupFunction"]
 
 
 class LinearSpeedup:
@@ -27,6 +27,22 @@ class LinearSpeedup:
 
     def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
         out = np.asarray(num_replicas, dtype=np.float64) / self.scale
+        return float(out) if out.ndim == 0 else out
+
+
+class PowerSpeedup:
+    """``r ** beta``: a cautious prior for a job whose scaling nothing has measured yet (no
+    goodput model): sub-linear, so that its unknown speedup neither wins GPUs from measured
+    jobs on the strength of ``r`` alone nor leaves free GPUs idle."""
+
+    def __init__(self, beta: float = 0.5) -> None:
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta={beta} must lie in [0, 1]")
+        self.beta = float(beta)
+
+    def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
+        r = np.asarray(num_replicas, dtype=np.float64)
+        out = np.where(r > 0, np.maximum(r, 1e-12) ** self.beta, 0.0)
         return float(out) if out.ndim == 0 else out
 
 

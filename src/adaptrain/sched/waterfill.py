@@ -82,6 +82,18 @@ given the same 4x cap went 0.997 -> 0.939 on workload-3 at load 0.5 (ahead of ou
 2x) and to 0.972 on workload-6 at load 1.0, where ours stays 11% ahead
 (``benchmarks/results/sched.md``, session 23).
 
+First size (``first_replicas``, default 4; ``None`` keeps the allocator's 1 GPU): a job that
+has never run and has no goodput model (``max_profiled_replicas = 0``, a speedup of ``None``
+or the :class:`~adaptrain.sched.speedup.LinearSpeedup` guess) may start on up to
+``first_replicas`` GPUs, within its ``replica_limit``, instead of one. Its unknown scaling is
+valued at ``r ** first_beta`` (default 0.5, :class:`~adaptrain.sched.speedup.PowerSpeedup`)
+rather than at the linear guess, so that it takes free GPUs but wins none from measured jobs
+on a guess: at light load a job skips the first step of its ramp (4 -> 16 instead of
+1 -> 4 -> 16, a round and a restart saved); under congestion it starts on 1 GPU as before.
+Its first round measures it at that size. Same-run effect: see ``benchmarks/results/sched.md``,
+session 24 (the linear guess itself, ``first_beta = 1``, took GPUs from measured jobs and
+lost up to 2% under congestion).
+
 Ramp credit (``ramp_credit``, default 1; ``None`` turns it off): a job held by its exploration
 cap (the bound above, below its ``replica_limit``) that wants to be much larger reaches its
 size step by step, one round per step (doubling under the allocator's cap). Judged by the
@@ -120,11 +132,18 @@ import numpy as np
 
 from ._plan import WeightedGeneticSearch
 from .policy_base import Allocation, JobInfo, NodeInfo
-from .speedup import ExploringSpeedup, RampSpeedup
+from .speedup import ExploringSpeedup, LinearSpeedup, PowerSpeedup, RampSpeedup
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["WaterfillPolicy"]
+
+
+def _unmeasured(job: JobInfo) -> bool:
+    """A job that has never run and has no goodput model (no speedup, or the linear guess)."""
+    return job.max_profiled_replicas == 0 and (
+        job.speedup_fn is None or isinstance(job.speedup_fn, LinearSpeedup)
+    )
 
 
 class WaterfillPolicy:
@@ -153,7 +172,15 @@ class WaterfillPolicy:
         ramp_doublings: int = 3,
         round_seconds: float = 60.0,
         explore_growth: float | None = 4.0,
+        first_replicas: int | None = 4,
+        first_beta: float = 0.5,
     ) -> None:
+        if first_replicas is not None and first_replicas < 1:
+            raise ValueError(
+                f"first_replicas={first_replicas} must be >= 1, or None (the allocator's 1 GPU)"
+            )
+        if not 0.0 <= first_beta <= 1.0:
+            raise ValueError(f"first_beta={first_beta} must lie in [0, 1]")
         if explore_growth is not None and not explore_growth >= 1.0:
             raise ValueError(
                 f"explore_growth={explore_growth} must be >= 1, or None (the allocator's cap)"
@@ -194,6 +221,8 @@ class WaterfillPolicy:
         self.ramp_doublings = ramp_doublings
         self.round_seconds = round_seconds
         self.explore_growth = explore_growth
+        self.first_replicas = first_replicas
+        self.first_beta = first_beta
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -229,18 +258,29 @@ class WaterfillPolicy:
         largest size it has run on, within its ``replica_limit``, and never below the
         allocator's ``max_replicas`` (see the module docstring)."""
         limit = job.replica_limit
-        if self.explore_growth is None or limit is None or job.max_replicas >= limit:
+        if limit is None or job.max_replicas >= limit:
+            return job.max_replicas
+        if _unmeasured(job):
+            first = 1 if self.first_replicas is None else self.first_replicas
+            return max(job.max_replicas, min(limit, first))
+        if self.explore_growth is None:
             return job.max_replicas
         grown = math.floor(self.explore_growth * job.max_profiled_replicas)
         return max(job.max_replicas, min(limit, grown))
 
     def _widen(self, jobs: Mapping[str, JobInfo]) -> Mapping[str, JobInfo]:
-        """The jobs with ``max_replicas`` set to :meth:`replica_bound`."""
+        """The jobs with ``max_replicas`` set to :meth:`replica_bound`, and a job that has never
+        run valued at ``r ** first_beta`` (see the module docstring)."""
         out = dict(jobs)
         for k, job in jobs.items():
+            changes = {}
             bound = self.replica_bound(job)
             if bound != job.max_replicas:
-                out[k] = dataclasses.replace(job, max_replicas=bound)
+                changes["max_replicas"] = bound
+            if self.first_replicas is not None and _unmeasured(job):
+                changes["speedup_fn"] = PowerSpeedup(self.first_beta)
+            if changes:
+                out[k] = dataclasses.replace(job, **changes)
         return out
 
     def _explore(self, jobs: Mapping[str, JobInfo]) -> Mapping[str, JobInfo]:
