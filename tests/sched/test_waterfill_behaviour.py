@@ -11,6 +11,7 @@ from adaptrain.sched import (
     JobInfo,
     LinearSpeedup,
     NodeInfo,
+    PowerSpeedup,
     RampSpeedup,
     WaterfillPolicy,
     check_allocations,
@@ -556,6 +557,15 @@ def test_a_new_jobs_unknown_scaling_wins_no_gpus_from_a_measured_job(search):
     eager = WaterfillPolicy(search=search, theta=theta, first_beta=1.0)
     alloc = eager.optimize(jobs, nodes, base, 0.0)
     assert len(alloc["new"]) == 4 and len(alloc["donor"]) == 4
+
+
+def test_power_speedup_is_the_cautious_prior():
+    fn = PowerSpeedup(0.5)
+    np.testing.assert_allclose(fn(np.ones(4), np.array([0, 1, 4, 9])), [0.0, 1.0, 2.0, 3.0])
+    assert isinstance(fn(1, 4), float) and fn(1, 4) == 2.0
+    assert PowerSpeedup(1.0)(2, 8) == LinearSpeedup()(2, 8)
+    with pytest.raises(ValueError, match="beta"):
+        PowerSpeedup(-0.1)
 
 
 def test_first_arguments_are_validated():
