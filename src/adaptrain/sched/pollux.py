@@ -288,9 +288,10 @@ class PolluxPolicy:
                 np.count_nonzero(flat, axis=1) > self.max_nodes_per_job
             )
             rows = np.flatnonzero(over)
+            if rows.size:
+                flat[rows] = self._cap_rows(flat[rows], max_rep[rows])
         else:
-            rows = slice(None)
-        flat[rows] = self._cap_rows(flat[rows], max_rep[rows])
+            flat[:] = self._cap_rows(flat, max_rep)
         states[:, pinned] = self._pinned_rows[None]
         # Node capacity: pinned jobs keep theirs, then jobs earlier in priority order.
         left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)

@@ -69,8 +69,8 @@ so a job that wants 16 GPUs climbs 1 -> 2 -> 4 -> 8 -> 16, a round and a 30 s re
 The cap bounds how far a scheduler trusts a goodput model beyond the sizes it was fitted on; it
 is the scheduler's choice, not the job's (AdaptDL's allocator applies it, from the job's hints).
 This policy goes up to ``explore_growth`` times the largest tried size (1 -> 4 -> 16), within
-the job's ``replica_limit`` and never below ``max_replicas`` (:meth:`replica_bound`; a job
-never run still starts on one GPU). The goodput model prices the larger size as it does any
+the job's ``replica_limit`` and never below ``max_replicas`` (:meth:`replica_bound`; for a
+job never run, see the first size below). The goodput model prices the larger size as it does any
 other (with the optimistic floor above for long jobs), and the first round there measures it.
 Same-run effect on workloads 1/3/5/6 (avg JCT / stored Pollux, 2x -> 4x): load 0.5
 1.009/1.019/1.002/0.999 -> 0.946/0.955/0.938/0.951, load 1.0 0.900/0.970/0.891/0.912 ->
@@ -254,18 +254,19 @@ class WaterfillPolicy:
             g.load_state_dict(st)
 
     def replica_bound(self, job: JobInfo) -> int:
-        """The most replicas this policy gives ``job`` now: up to ``explore_growth`` times the
-        largest size it has run on, within its ``replica_limit``, and never below the
-        allocator's ``max_replicas`` (see the module docstring)."""
+        """The most replicas this policy gives ``job`` now: up to ``first_replicas`` for a job
+        never run and unmodelled, else up to ``explore_growth`` times the largest size it has
+        run on; within its ``replica_limit``, and never below the allocator's
+        ``max_replicas`` (see the module docstring)."""
         limit = job.replica_limit
         if limit is None or job.max_replicas >= limit:
             return job.max_replicas
-        if _unmeasured(job):
-            first = 1 if self.first_replicas is None else self.first_replicas
-            return max(job.max_replicas, min(limit, first))
-        if self.explore_growth is None:
+        if self.first_replicas is not None and _unmeasured(job):
+            grown = self.first_replicas
+        elif self.explore_growth is not None:
+            grown = math.floor(self.explore_growth * job.max_profiled_replicas)
+        else:
             return job.max_replicas
-        grown = math.floor(self.explore_growth * job.max_profiled_replicas)
         return max(job.max_replicas, min(limit, grown))
 
     def _widen(self, jobs: Mapping[str, JobInfo]) -> Mapping[str, JobInfo]:
