@@ -14,6 +14,15 @@ same-run reference for what that exploration brings; ``waterfill-noramp`` likewi
 ramp credit (``WaterfillPolicy(ramp_credit=None)``), ``waterfill-cap2`` keeps AdaptDL's 2x
 exploration cap (``explore_growth=None``) and ``waterfill-first1`` starts every job on one GPU
 (``first_replicas=None``).
+
+``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
+at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
+
+Arrivals: ``waterfill`` places a job as it arrives, on free GPUs (``allocate_job``, as AdaptDL's
+allocator does); ``waterfill-rounds`` makes new jobs wait for the next round instead. ``pollux``
+runs with new jobs waiting for the round, as in the artifact's simulator that produced the
+stored figures (fidelity); ``pollux-arrive`` adds AdaptDL's placement on arrival (one GPU on
+the first node with room). Tiresias and Optimus place jobs only at rounds.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from adaptrain.cli.simulate import POLICIES, make_policy  # noqa: E402
-from adaptrain.sched import WaterfillPolicy  # noqa: E402
+from adaptrain.sched import PolluxPolicy, WaterfillPolicy  # noqa: E402
 from adaptrain.sched.simulator import Simulator  # noqa: E402
 from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
 
@@ -43,7 +52,15 @@ VARIANTS = {
     "waterfill-first1": lambda: WaterfillPolicy(first_replicas=None),
     # three independent genetic refinements per round, the fittest kept (about 3x the time)
     "waterfill-3runs": lambda: WaterfillPolicy(genetic_runs=3),
+    # exploration's floor exponent not capped by the job's observed scaling (session 25)
+    "waterfill-flatexplore": lambda: WaterfillPolicy(explore_observed=False),
+    # new jobs wait for the next round (session 25)
+    "waterfill-rounds": lambda: WaterfillPolicy(),
+    # our Pollux with AdaptDL's placement of a job on arrival (session 25)
+    "pollux-arrive": lambda: PolluxPolicy(),
 }
+# the simulator's rule for new jobs: placed on arrival, or waiting for the next round
+ROUNDS_ONLY = {"pollux", "waterfill-rounds"}
 
 
 def _policy(name: str):
@@ -89,7 +106,9 @@ def main() -> int:
         pollux = stored_avg(data_dir, "pollux", args.load, name)
         for pol in args.policies:
             t0 = time.perf_counter()
-            res = Simulator(workload, apps, _policy(pol)).run()
+            res = Simulator(
+                workload, apps, _policy(pol), arrival_allocation=pol not in ROUNDS_ONLY
+            ).run()
             wall = time.perf_counter() - t0
             s = res.summary()
             ref = stored_avg(data_dir, pol, args.load, name)

@@ -232,3 +232,15 @@ def test_cli_empty_workload_warns(tiny_traces, tmp_path, capsys):
     assert main(["simulate", wl, "--traces", tiny_traces, "--no-progress"]) == 0
     captured = capsys.readouterr()
     assert "has no jobs" in captured.err and "(0 jobs)" in captured.out
+
+
+def test_cli_rounds_only(tiny_traces, tmp_path, capsys):
+    # one job submitted at 53 on a free 4-GPU node: waterfill places it on arrival on its first
+    # size, the whole node, and keeps it there (30 s restart, 120 s of training: JCT 150); with
+    # --rounds-only it waits for the round at 60 (JCT 157)
+    wl = _workload(tmp_path, [("a", 53, "toy", 1, 8)])
+    args = ["simulate", wl, "--traces", tiny_traces, "--json", "--nodes", "1", "--no-progress"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out)["avg_jct"] == 150
+    assert main([*args, "--rounds-only"]) == 0
+    assert json.loads(capsys.readouterr().out)["avg_jct"] == 157

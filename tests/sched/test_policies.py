@@ -315,3 +315,22 @@ def test_optimus_respects_min_replicas_and_pins_non_preemptible_jobs():
     assert alloc["np"] == [1]  # kept where it runs
     assert not alloc.get("a")  # 6 replicas do not fit beside the others: none
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes)
+
+
+@SETTINGS
+@given(cluster_and_jobs(), st.sampled_from([4, None]), st.data())
+def test_allocate_job_respects_free_gpus_and_bounds(case, first, data):
+    """A job arriving between rounds (``allocate_job``) gets free GPUs on one node, within its
+    bounds; nothing only when no node has room for its minimum."""
+    jobs, nodes, base = case
+    used = collections.Counter(n for alloc in base.values() for n in alloc)
+    free = {n: NodeInfo(info.gpus - used[n]) for n, info in nodes.items() if used[n] < info.gpus}
+    key = data.draw(st.sampled_from(sorted(jobs)))
+    job = jobs[key]
+    for policy in (WaterfillPolicy(first_replicas=first), PolluxPolicy()):
+        alloc = policy.allocate_job(job, free)
+        if alloc:
+            check_allocations({key: alloc}, {key: job}, free, interference=True, policy=policy)
+            assert len(set(alloc)) == 1  # one node
+        else:  # only when no node has room for its minimum
+            assert all(n.gpus < max(job.min_replicas, 1) for n in free.values())

@@ -336,6 +336,53 @@ def test_exploring_speedup_is_the_model_up_to_the_tried_size_and_optimistic_beyo
         ExploringSpeedup(_dip, 4, beta=1.5)
 
 
+def _flat(n, r):
+    """A job early in training: s(r) = r ** 0.0945 on one node (s(4) = 1.14, yolov3's first
+    epoch), and lower across nodes."""
+    r = np.asarray(r, dtype=float)
+    return np.where(r <= 4, r**0.0945, 0.45)
+
+
+def test_exploring_speedup_observed_exponent():
+    # a poor scaler so far: the floor grows at its own exponent, not at beta
+    fn = ExploringSpeedup(_flat, 4, beta=0.5, observed=True)
+    e = np.log(float(_flat(1, 4))) / np.log(4.0)
+    assert fn.beta == pytest.approx(e) and e < 0.1
+    assert fn(4, 16) == pytest.approx(float(_flat(1, 4)) * 4.0**e)
+    assert ExploringSpeedup(_flat, 4, beta=0.5).beta == 0.5  # off by default
+    assert fn(4, 16) < ExploringSpeedup(_flat, 4, beta=0.5)(4, 16)
+    # a good scaler keeps beta; r0 = 1 has no exponent to observe
+    assert ExploringSpeedup(_dip, 4, beta=0.5, observed=True).beta == 0.5
+    assert ExploringSpeedup(_flat, 1, beta=0.5, observed=True).beta == 0.5
+    # a job slower on r0 GPUs than on one: a flat floor at s(r0)
+    slow = ExploringSpeedup(lambda n, r: 0.8 * np.asarray(r, float) ** 0, 4, 0.5, observed=True)
+    assert slow.beta == 0.0 and slow(4, 16) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_a_job_that_has_not_scaled_is_not_sent_across_nodes(search):
+    """Alone on an idle cluster, a long job whose goodput barely grew from 1 to 4 GPUs (its
+    model: flat on one node, worse across) keeps its node; presumed to scale on at beta = 0.5
+    (``explore_observed=False``) it is restarted on 16 GPUs to measure them."""
+    nodes = _cluster(4, 4)
+    jobs = {
+        "a": JobInfo(
+            0.0,
+            max_replicas=8,
+            replica_limit=64,
+            max_profiled_replicas=4,
+            speedup_fn=_flat,
+            remaining_work=10 * 3600.0,
+            age=90.0,
+        )
+    }
+    base = {"a": [0, 0, 0, 0]}
+    kept = WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)
+    assert kept["a"] == [0, 0, 0, 0]
+    grown = WaterfillPolicy(search=search, explore_observed=False).optimize(jobs, nodes, base, 0.0)
+    assert len(grown["a"]) == 16
+
+
 def _dip_job(remaining_work: float | None) -> dict[str, JobInfo]:
     return {
         "a": JobInfo(

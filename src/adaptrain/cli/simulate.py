@@ -113,6 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="slowdown of co-located multi-node jobs, a fraction in [0, 1)",
     )
     parser.add_argument(
+        "--rounds-only",
+        action="store_true",
+        help="a new job waits for the next round, as in the Pollux artifact's simulator (use it "
+        "to reproduce the artifact's figures); by default pollux and waterfill place a job as "
+        "it arrives, on free GPUs, as AdaptDL's allocator does",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seed of the genetic searches (pollux, waterfill)"
     )
     parser.add_argument("--json", action="store_true", help="print a JSON object instead of text")
@@ -201,6 +208,7 @@ def _run(args: argparse.Namespace, where: _Where) -> int:
                 restart_delay=args.restart_delay,
                 interference=args.interference,
                 record_timeline=bool(args.plot),
+                arrival_allocation=not args.rounds_only,
             )
             for name in names
         }

@@ -89,7 +89,15 @@ class NodeInfo:
 
 
 class Policy(Protocol):
-    """``optimize(jobs, nodes, base_allocations, time) -> allocations``."""
+    """``optimize(jobs, nodes, base_allocations, time) -> allocations``.
+
+    A policy may also define ``allocate_job(job, free_nodes) -> list[int]``: a place for one job
+    that arrives between two rounds, on the GPUs free at that moment (``free_nodes[n].gpus`` is
+    node ``n``'s free GPUs; ``[]``: the job waits for the next round). AdaptDL's allocator calls
+    it on every new job (``PolluxPolicy.allocate_job``: one replica on the first node with room)
+    so that a job does not wait a whole round; the simulator does the same unless told not to
+    (``Simulator(arrival_allocation=False)``, the artifact simulator's behaviour).
+    """
 
     name: str
 

@@ -145,6 +145,17 @@ class PolluxPolicy:
         self._prev_nodes = list(state["prev_nodes"])
         self.rng.bit_generator.state = state["rng"]
 
+    def allocate_job(self, job: JobInfo, nodes: Mapping[int, NodeInfo]) -> list[int]:
+        """AdaptDL's placement of one job arriving between rounds (``PolluxPolicy.allocate_job``
+        in ``adaptdl_sched``): ``max(min_replicas, 1)`` replicas on the first node with that
+        many free GPUs (``nodes[n].gpus``), non-preemptible nodes first, then by key; ``[]`` if
+        none has room."""
+        need = max(job.min_replicas, 1)
+        for n in sorted(nodes, key=lambda n: (nodes[n].preemptible, n)):
+            if int(nodes[n].gpus) >= need:
+                return [n] * need
+        return []
+
     # ---- problem setup ----------------------------------------------------------------------
     def _setup(
         self, jobs: list[JobInfo], nodes: list[NodeInfo], base: np.ndarray | None = None

@@ -9,6 +9,15 @@ size over the initial one, ``sqr``/``var`` from ``validation-<bsz>.csv`` for the
 moves to the next epoch; finishing the last epoch completes the job; (2) the policy sees every
 submitted, unfinished job and returns an allocation; changed allocations restart their job.
 
+Arrivals between rounds (``arrival_allocation=True``, the default): a job submitted between two
+rounds is offered, at its submission time, to the policy's ``allocate_job(job, free_nodes)`` if
+the policy has one, with the GPUs free at that moment (those no job holds; a job that completed
+earlier in the round has freed its own). Its placement starts then, with its restart delay, and
+no other job moves; the next round sees it as any running job. This is AdaptDL's allocator,
+which places each new job as it arrives and re-optimises every job each round. With
+``arrival_allocation=False``, or a policy without ``allocate_job`` (Tiresias and Optimus here),
+a new job waits for the next round, as in the artifact simulator.
+
 Adaptive jobs (no fixed batch size) learn their goodput model online exactly like AdaptDL: each
 newly observed (nodes, replicas, local batch) configuration is added to a profile to which
 ``fit_perf_params`` is refitted, and between epochs the batch size is re-optimised with
@@ -407,6 +416,7 @@ class Simulator:
         interference: float = 0.0,
         check: bool = True,
         record_timeline: bool = False,
+        arrival_allocation: bool = True,
     ) -> None:
         if not (math.isfinite(interval) and interval > 0):
             raise ValueError(f"interval={interval} must be a finite number of seconds > 0")
@@ -435,6 +445,7 @@ class Simulator:
         self.interference = interference
         self.check = check
         self.record_timeline = record_timeline
+        self.arrival_allocation = arrival_allocation
         self.current_time = 0.0
         self.jobs: list[SimJob] = []
         capacity = num_nodes * gpus_per_node
@@ -483,7 +494,11 @@ class Simulator:
                 ", ".join(capped[:10]) + (", ..." if len(capped) > 10 else ""),
             )
         self.allocations: Allocation = {}
+        self._by_name = {j.name: j for j in self.jobs}
+        self._offered: set[str] = set()  # jobs the policy has seen (a round or an arrival)
+        self.arrivals_placed = 0  # jobs placed on arrival, between rounds
         self.policy_seconds: list[float] = []
+        self.policy_seconds_arrivals: list[float] = []  # allocate_job calls, not rounds
         self.used_gpu_rounds: list[int] = []
         self.timeline: list[dict] = []
 
@@ -495,7 +510,9 @@ class Simulator:
     def node_infos(self) -> dict[int, NodeInfo]:
         return {i: NodeInfo(self.gpus_per_node) for i in range(self.num_nodes)}
 
-    def job_info(self, job: SimJob) -> JobInfo:
+    def job_info(self, job: SimJob, now: float | None = None) -> JobInfo:
+        """What the policy sees of ``job`` at time ``now`` (default: the current round)."""
+        now = self.current_time if now is None else now
         app = self.app_limits(job)
         if self.kind == "fixed":
             return JobInfo(
@@ -528,7 +545,7 @@ class Simulator:
             max_profiled_replicas=job.max_profiled_replicas,
             replica_limit=limit,
             num_restarts=job.num_restarts or 0,
-            age=self.current_time - job.submission_time,
+            age=now - job.submission_time,
             extra={"application": job.app.name, "epoch": job.epoch},
         )
 
@@ -556,14 +573,17 @@ class Simulator:
                     for n in set(alloc):
                         count[n] = count.get(n, 0) + 1
             interfere_nodes = {n for n, c in count.items() if c > 1}
+        start, end = self.current_time, self.current_time + seconds
+        arriving = self._arriving(start, end)
         for job in self.jobs:
-            alloc_set = set(self.allocations.get(job.name, ()))
-            slow = 0.0
-            if len(alloc_set) > 1 and alloc_set & interfere_nodes:
-                slow = self.interference
-            job.step(seconds, interference=slow)
-        self.current_time += seconds
+            if job.name in arriving:
+                continue
+            job.step(seconds, interference=self._slowdown(job.name, interfere_nodes))
+        for job in arriving.values():  # in order of submission, after the running jobs
+            self._arrive(job, start, end, interfere_nodes)
+        self.current_time = end
         active = self.active_jobs()
+        self._offered.update(j.name for j in active)
         if active:
             infos = {j.name: self.job_info(j) for j in active}
             nodes = self.node_infos()
@@ -589,6 +609,60 @@ class Simulator:
                     "allocations": {k: len(v) for k, v in self.allocations.items()},
                 }
             )
+
+    def _slowdown(self, name: str, interfere_nodes: set[int]) -> float:
+        alloc_set = set(self.allocations.get(name, ()))
+        if len(alloc_set) > 1 and alloc_set & interfere_nodes:
+            return self.interference
+        return 0.0
+
+    def _arriving(self, start: float, end: float) -> dict[str, SimJob]:
+        """Jobs submitted in ``[start, end)`` that no round has seen, by submission time."""
+        if not self.arrival_allocation or getattr(self.policy, "allocate_job", None) is None:
+            return {}
+        jobs = [
+            j
+            for j in self.jobs
+            if start <= j.submission_time < end
+            and j.name not in self._offered
+            and j.name not in self.allocations
+        ]
+        jobs.sort(key=lambda j: j.submission_time)  # stable: ties keep the workload's order
+        return {j.name: j for j in jobs}
+
+    def _free_nodes(self, at: float) -> dict[int, NodeInfo]:
+        """GPUs that no job holds at time ``at`` (jobs completed by then hold none)."""
+        used: Counter = Counter()
+        for name, alloc in self.allocations.items():
+            done = self._by_name[name].completion_time
+            if done is None or done > at:
+                used.update(alloc)
+        return {
+            n: NodeInfo(self.gpus_per_node - used[n])
+            for n in range(self.num_nodes)
+            if used[n] < self.gpus_per_node
+        }
+
+    def _arrive(self, job: SimJob, start: float, end: float, interfere_nodes: set[int]) -> None:
+        """Offer ``job``, submitted at ``t`` in ``[start, end)``, to ``allocate_job``; step it
+        to ``end`` (idle before ``t``, then on its placement, restart delay first)."""
+        t = job.submission_time
+        job.step(t - start)  # no placement yet: only its clock moves
+        self._offered.add(job.name)
+        free = self._free_nodes(t)
+        alloc: list[int] = []
+        if free:
+            info = self.job_info(job, now=t)
+            t0 = _time.perf_counter()
+            alloc = list(self.policy.allocate_job(info, free) or [])
+            self.policy_seconds_arrivals.append(_time.perf_counter() - t0)
+            if alloc and self.check:
+                check_allocations({job.name: alloc}, {job.name: info}, free, policy=self.policy)
+        if alloc:
+            job.reallocate(_placement(alloc))
+            self.allocations[job.name] = alloc
+            self.arrivals_placed += 1
+        job.step(end - t, interference=self._slowdown(job.name, interfere_nodes))
 
     def all_complete(self) -> bool:
         return all(j.completion_time is not None for j in self.jobs)

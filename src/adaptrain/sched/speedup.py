@@ -9,6 +9,7 @@ evaluating thousands of allocations per round costs one table lookup each.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -123,10 +124,21 @@ class ExploringSpeedup:
     power-law continuation, ``beta < 1``: sub-linear) values a measurement there: "optimism in
     the face of uncertainty". After one round at the larger size the job's model has the data
     and the bound moves with ``r0``.
+
+    With ``observed=True`` the exponent is at most the job's own scaling so far,
+    ``log s(n0, r0) / log r0`` (for ``r0 > 1``): a job whose goodput barely grew from one GPU to
+    ``r0`` (early in training, when its gradient noise is small and larger batches gain
+    little: yolov3's model reads s(4) = 1.14 in its first epoch) is not presumed to scale on
+    beyond ``r0`` at ``beta``. Its bound rises again as its model does.
     """
 
     def __init__(
-        self, fn: Any, max_profiled_replicas: int, beta: float = 0.5, gpus_per_node: int = 4
+        self,
+        fn: Any,
+        max_profiled_replicas: int,
+        beta: float = 0.5,
+        gpus_per_node: int = 4,
+        observed: bool = False,
     ) -> None:
         if max_profiled_replicas < 1:
             raise ValueError(
@@ -140,6 +152,9 @@ class ExploringSpeedup:
         self.beta = float(beta)
         n0 = -(-self.r0 // int(gpus_per_node))
         self.s0 = float(fn(n0, self.r0))
+        if observed and self.r0 > 1:  # the exponent of s(r0) = r0 ** e, floored at 0
+            e = math.log(max(self.s0, 1e-9)) / math.log(self.r0)
+            self.beta = min(self.beta, max(e, 0.0))
 
     def __call__(self, num_nodes: Any, num_replicas: Any) -> Any:
         s = np.asarray(self._fn(num_nodes, num_replicas), dtype=np.float64)
