@@ -51,7 +51,7 @@ def test_a_job_starts_when_it_arrives(tiny_traces):
     sim = Simulator(w, apps, policy, num_nodes=1, gpus_per_node=4)
     res = sim.run()
     assert res.jcts == {"a": 150.0}
-    assert sim.arrivals_placed == 1
+    assert sim.arrivals_placed == 1 and res.summary()["arrivals_placed"] == 1
     assert sim.jobs[0].num_restarts == 0  # the rounds at 60-180 kept its place
     assert sim.jobs[0].attained_service == pytest.approx(150.0)
     assert policy.offers == [(0.0, {0: 4})]  # offered at its submission: age 0, node free

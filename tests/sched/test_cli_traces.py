@@ -244,3 +244,8 @@ def test_cli_rounds_only(tiny_traces, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["avg_jct"] == 150
     assert main([*args, "--rounds-only"]) == 0
     assert json.loads(capsys.readouterr().out)["avg_jct"] == 157
+    text = ["simulate", wl, "--traces", tiny_traces, "--nodes", "1", "--no-progress"]
+    assert main(text) == 0
+    assert "placed on arrival 1/1" in capsys.readouterr().out
+    assert main([*text, "--rounds-only"]) == 0
+    assert "placed on arrival 0/1" in capsys.readouterr().out

@@ -235,7 +235,8 @@ def _run(args: argparse.Namespace, where: _Where) -> int:
                 f"{name:>10}: avg JCT {s['avg_jct']:.1f} s  p50 {s['p50_jct']:.1f} s  "
                 f"p99 {s['p99_jct']:.1f} s  makespan {s['makespan']:.0f} s  "
                 f"GPU util {100 * s['gpu_utilization']:.1f}%  "
-                f"policy {s['policy_s_per_round'] * 1e3:.2f} ms/round"
+                f"policy {s['policy_s_per_round'] * 1e3:.2f} ms/round  "
+                f"placed on arrival {s['arrivals_placed']}/{s['num_jobs']}"
             )
     if args.plot:
         from adaptrain.sched.plot import plot_results

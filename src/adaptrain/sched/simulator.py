@@ -374,6 +374,8 @@ class SimResult:
     policy_seconds: list[float]
     timeline: list[dict] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
+    #: jobs placed as they arrived, between rounds (``allocate_job``)
+    arrivals_placed: int = 0
 
     @property
     def avg_jct(self) -> float:
@@ -397,6 +399,7 @@ class SimResult:
             "rounds": len(self.policy_seconds),
             "avg_restarts": float(np.mean(list(self.restarts.values()))) if self.restarts else 0.0,
             "num_jobs": len(self.jcts),
+            "arrivals_placed": self.arrivals_placed,
         }
 
 
@@ -734,6 +737,7 @@ class Simulator:
             policy_seconds=list(self.policy_seconds),
             timeline=self.timeline,
             restarts={j.name: j.num_restarts or 0 for j in self.jobs},
+            arrivals_placed=self.arrivals_placed,
         )
 
 
