@@ -498,7 +498,6 @@ class Simulator:
             )
         self.allocations: Allocation = {}
         self._by_name = {j.name: j for j in self.jobs}
-        self._offered: set[str] = set()  # jobs the policy has seen (a round or an arrival)
         self.arrivals_placed = 0  # jobs placed on arrival, between rounds
         self.policy_seconds: list[float] = []
         self.policy_seconds_arrivals: list[float] = []  # allocate_job calls, not rounds
@@ -577,7 +576,8 @@ class Simulator:
                         count[n] = count.get(n, 0) + 1
             interfere_nodes = {n for n, c in count.items() if c > 1}
         start, end = self.current_time, self.current_time + seconds
-        arriving = self._arriving(start, end)
+        # before the first round (at ``start``) a job submitted at ``start`` is an arrival too
+        arriving = self._arriving(start, end, first=not self.used_gpu_rounds)
         for job in self.jobs:
             if job.name in arriving:
                 continue
@@ -586,7 +586,6 @@ class Simulator:
             self._arrive(job, start, end, interfere_nodes)
         self.current_time = end
         active = self.active_jobs()
-        self._offered.update(j.name for j in active)
         if active:
             infos = {j.name: self.job_info(j) for j in active}
             nodes = self.node_infos()
@@ -619,16 +618,16 @@ class Simulator:
             return self.interference
         return 0.0
 
-    def _arriving(self, start: float, end: float) -> dict[str, SimJob]:
-        """Jobs submitted in ``[start, end)`` that no round has seen, by submission time."""
+    def _arriving(self, start: float, end: float, first: bool) -> dict[str, SimJob]:
+        """Jobs no round has seen, by submission time: submitted in ``(start, end)``, or at
+        ``start`` itself when ``first`` (no round has run yet; later, the round at ``start``
+        saw them)."""
         if not self.arrival_allocation or getattr(self.policy, "allocate_job", None) is None:
             return {}
         jobs = [
             j
             for j in self.jobs
-            if start <= j.submission_time < end
-            and j.name not in self._offered
-            and j.name not in self.allocations
+            if start < j.submission_time < end or (first and j.submission_time == start)
         ]
         jobs.sort(key=lambda j: j.submission_time)  # stable: ties keep the workload's order
         return {j.name: j for j in jobs}
@@ -651,7 +650,6 @@ class Simulator:
         to ``end`` (idle before ``t``, then on its placement, restart delay first)."""
         t = job.submission_time
         job.step(t - start)  # no placement yet: only its clock moves
-        self._offered.add(job.name)
         free = self._free_nodes(t)
         alloc: list[int] = []
         if free:

@@ -158,6 +158,12 @@ def _unmeasured(job: JobInfo) -> bool:
     )
 
 
+def _best_fit(r: int, free: Mapping[int, int]) -> int | None:
+    """The fullest node with at least ``r`` free GPUs (ties: lowest key), or ``None``."""
+    fits = [n for n in free if free[n] >= r]
+    return min(fits, key=lambda n: (free[n], n)) if fits else None
+
+
 class WaterfillPolicy:
     """Remaining-work-weighted goodput maximisation: warm-started local search, refined by a
     genetic search (``search="genetic"``, default) or not (``search="local"``)."""
@@ -297,10 +303,8 @@ class WaterfillPolicy:
         free = {n: int(info.gpus) for n, info in nodes.items() if int(info.gpus) >= need}
         if not free:
             return []
-        fits = [n for n, g in free.items() if g >= want]
-        if fits:
-            node = min(fits, key=lambda n: (free[n], n))
-        else:
+        node = _best_fit(want, free)
+        if node is None:
             node = min(free, key=lambda n: (-free[n], n))
         return [node] * min(want, free[node])
 
@@ -587,9 +591,8 @@ class WaterfillPolicy:
     @staticmethod
     def _fit(r: int, free: dict, multi_owner: dict, g: int) -> list[int] | None:
         if r <= g:
-            fits = [n for n in free if free[n] >= r]
-            if fits:  # best fit: the fullest node that still fits
-                n = min(fits, key=lambda n: (free[n], n))
+            n = _best_fit(r, free)
+            if n is not None:
                 return [n] * r
         # multi-node: nodes without another multi-node job, emptiest first
         cand = sorted(
