@@ -56,8 +56,7 @@ def test_a_job_starts_when_it_arrives(tiny_traces):
     assert sim.jobs[0].attained_service == pytest.approx(150.0)
     assert policy.offers == [(0.0, {0: 4})]  # offered at its submission: age 0, node free
     assert len(sim.policy_seconds_arrivals) == 1
-    off = Simulator(w, apps, _FirstFitTiresias(), num_nodes=1, gpus_per_node=4,
-                    arrival_allocation=False).run()  # fmt: skip
+    off = Simulator(w, apps, _FirstFitTiresias(), num_nodes=1, arrival_allocation=False).run()
     assert off.jcts == {"a": 157.0}
 
 
