@@ -15,6 +15,9 @@ ramp credit (``WaterfillPolicy(ramp_credit=None)``), ``waterfill-cap2`` keeps Ad
 exploration cap (``explore_growth=None``) and ``waterfill-first1`` starts every job on one GPU
 (``first_replicas=None``).
 
+``waterfill-nofuture`` keeps each job's remaining-work weight undivided by its speed to come
+(``future_gamma=None``): the session-25 default, the same-run reference for session 27's change.
+
 ``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
 at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
 
@@ -54,6 +57,8 @@ VARIANTS = {
     "waterfill-3runs": lambda: WaterfillPolicy(genetic_runs=3),
     # exploration's floor exponent not capped by the job's observed scaling (session 25)
     "waterfill-flatexplore": lambda: WaterfillPolicy(explore_observed=False),
+    # weights not divided by the job's speed at its fair share (the session-25 default)
+    "waterfill-nofuture": lambda: WaterfillPolicy(future_gamma=None),
     # new jobs wait for the next round (session 25)
     "waterfill-rounds": lambda: WaterfillPolicy(),
     # our Pollux with AdaptDL's placement of a job on arrival (session 25)

@@ -3,6 +3,8 @@ warm-start stability, restart penalty, packing, weighting and argument validatio
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -138,11 +140,14 @@ def test_empty_job_set():
     assert WaterfillPolicy().optimize({}, _cluster(), {}, 0.0) == {}
 
 
-def _fitness(policy: WaterfillPolicy, jobs, base, alloc) -> float:
+def _fitness(policy: WaterfillPolicy, jobs, base, alloc, total: int = 16) -> float:
     """The genetic search's objective, computed independently: sum_j w_j s_j (x Pollux's
-    restart factor if the job's placement changed), -10 per job left without GPUs."""
+    restart factor if the job's placement changed), -10 per job left without GPUs. The weights
+    are the policy's, on the jobs' speedups up to their bounds on ``total`` GPUs (these jobs
+    have no profile, so no exploration or first-size rule changes them)."""
     keys = list(jobs)
-    weight = policy._weights(jobs, keys)
+    curves = {k: policy._curve(jobs[k], min(jobs[k].max_replicas, total)) for k in keys}
+    weight = policy._weights(jobs, keys, curves, total)
     total = 0.0
     for k in keys:
         a = sorted(alloc.get(k, []))
@@ -204,7 +209,7 @@ def test_genetic_refinement_repacks_instead_of_splitting_a_job():
     alloc = {k: v for k, v in genetic.optimize(jobs, nodes, base, 60.0).items() if v}
     check_allocations(alloc, jobs, nodes, interference=True)
     assert len(alloc["c"]) == 4 and len(set(alloc["c"])) == 1
-    assert _fitness(genetic, jobs, base, alloc) > _fitness(genetic, jobs, base, local) + 1.0
+    assert _fitness(genetic, jobs, base, alloc, 8) > _fitness(genetic, jobs, base, local, 8) + 1.0
 
 
 def test_genetic_state_roundtrip_replays_identically():
@@ -501,8 +506,9 @@ def test_young_job_held_by_its_cap_ramps_past_a_flat_donor(search):
     cannot tell the cap from the job's own limit (no replica_limit)."""
     case = dict(donor_fn=_power(0.3, 3.0), donor_work=3e4, donor_age=2500.0, donor_restarts=13)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
-    # the ramp at the allocator's cap of 2 (explore_growth widens it: tested below)
-    kw = dict(search=search, explore_growth=None)
+    # the ramp at the allocator's cap of 2 (explore_growth widens it: tested below); the
+    # weights computed above are the remaining-work ones (future_gamma: tested at the end)
+    kw = dict(search=search, explore_growth=None, future_gamma=None)
     alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
     assert len(alloc["young"]) == 2 and len(alloc["donor"]) == 6
@@ -520,7 +526,8 @@ def test_a_ramp_is_credited_only_as_far_as_it_wins_gpus(search):
     it (shown with that bonus applied by hand)."""
     case = dict(donor_fn=LinearSpeedup(), donor_work=None, donor_age=1e5, donor_restarts=1)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
-    kw = dict(search=search, explore_growth=None)  # the ramp at the allocator's cap of 2
+    # the ramp at the allocator's cap of 2, with the remaining-work weights computed above
+    kw = dict(search=search, explore_growth=None, future_gamma=None)
     alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
     assert len(alloc["young"]) == 1 and len(alloc["donor"]) == 7
     s = _power(0.7)
@@ -594,14 +601,17 @@ def test_a_new_job_starts_on_up_to_first_replicas_free_gpus(search):
 def test_a_new_jobs_unknown_scaling_wins_no_gpus_from_a_measured_job(search):
     """A measured job with a linear speedup and weight 1/2 (remaining work = theta) holds 7
     of 8 GPUs. Valued at r ** 0.5, the new job's second GPU gains 0.41 < 0.5: it takes the free
-    GPU only. Taken at its linear guess (first_beta = 1) it would take 3 GPUs from the other."""
+    GPU only. Taken at its linear guess (first_beta = 1) it would take 3 GPUs from the other.
+    (Remaining-work weights alone, ``future_gamma=None``: divided by its speed to come, 4 at its
+    fair share, the donor's GPUs are worth 1/4 each, and the new job rightly takes some.)"""
     theta = 16 * 3600.0
     donor = _linear_job(max_replicas=16, max_profiled_replicas=8, remaining_work=theta, age=1e5)
     jobs = {"donor": donor, "new": _new_job()}
     nodes, base = _cluster(2, 4), {"donor": [0, 0, 0, 0, 1, 1, 1]}
-    alloc = WaterfillPolicy(search=search, theta=theta).optimize(jobs, nodes, base, 0.0)
+    kw = dict(search=search, theta=theta, future_gamma=None)
+    alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
     assert len(alloc["new"]) == 1 and alloc["donor"] == base["donor"]
-    eager = WaterfillPolicy(search=search, theta=theta, first_beta=1.0)
+    eager = WaterfillPolicy(**kw, first_beta=1.0)
     alloc = eager.optimize(jobs, nodes, base, 0.0)
     assert len(alloc["new"]) == 4 and len(alloc["donor"]) == 4
 
@@ -654,3 +664,71 @@ def test_a_policy_bound_beyond_the_job_limit_is_an_error():
         replica_bound(Greedy(), job)
     with pytest.raises(RuntimeError, match="replica_bound gave 64"):
         check_allocations({"a": [0]}, {"a": job}, _cluster(1, 4), policy=Greedy())
+
+
+def test_fair_shares_water_fill():
+    """Max-min fair shares: a job capped below the even share keeps its cap and the others
+    split the rest; the shares never exceed the GPUs."""
+    from adaptrain.sched.waterfill import _fair_shares
+
+    assert _fair_shares({"a": 2, "b": 100, "c": 100}, 10) == {"a": 2.0, "b": 4.0, "c": 4.0}
+    assert _fair_shares({"a": 1, "b": 3}, 64) == {"a": 1.0, "b": 3.0}
+    assert _fair_shares({"a": 5, "b": 5, "c": 0}, 6) == {"c": 0.0, "a": 3.0, "b": 3.0}
+    assert _fair_shares({}, 8) == {}
+
+
+def _scaling_pair(remaining: float = 3.6e4) -> dict[str, JobInfo]:
+    """Two modelled jobs with the same remaining work: ``flat`` barely scales (its goodput peak
+    is at 2 GPUs), ``linear`` scales on every GPU."""
+
+    def flat(n, r):
+        r = np.asarray(r, dtype=float)
+        return np.where(r > 0, np.minimum(r, 2.0) ** 0.2, 0.0)
+
+    common = dict(remaining_work=remaining, age=3600.0, num_restarts=1, max_replicas=16)
+    return {
+        "flat": JobInfo(0.0, speedup_fn=flat, **common),
+        "linear": JobInfo(1.0, speedup_fn=LinearSpeedup(), **common),
+    }
+
+
+def test_weights_divided_by_the_speed_to_come():
+    """With ``future_gamma`` a job's weight is divided by ``s_future ** gamma``, its speedup at
+    its max-min fair share of the GPUs (capped at its goodput peak): on 16 GPUs ``flat``
+    keeps 2 (s = 2 ** 0.2) and ``linear`` gets the other 14 (s = 14). Without it (``None``)
+    both keep the remaining-work weight, and a job without a model keeps its weight either way."""
+    jobs = _scaling_pair()
+    keys = list(jobs)
+    policy = WaterfillPolicy(future_gamma=0.5)
+    curves = {k: policy._curve(jobs[k], 16) for k in keys}
+    plain = WaterfillPolicy(future_gamma=None)._weights(jobs, keys, curves, 16)
+    assert plain["flat"] == plain["linear"]
+    w = policy._weights(jobs, keys, curves, 16)
+    np.testing.assert_allclose(w["flat"], plain["flat"] / (2.0**0.2) ** 0.5)
+    np.testing.assert_allclose(w["linear"], plain["linear"] / 14.0**0.5)
+    assert policy._weights(jobs, keys) == plain  # no curves given: the plain weights
+    jobs["new"] = JobInfo(2.0, speedup_fn=None, remaining_work=None, max_replicas=4)
+    curves["new"] = policy._curve(jobs["new"], 4)
+    assert policy._weights(jobs, list(jobs), curves, 16)["new"] == 1.0
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_speed_to_come_moves_gpus_to_the_slow_job(search):
+    """On 4 GPUs ``linear`` gains 1 per GPU, ``flat`` 2 ** 0.2 - 1 = 0.15 for its second GPU.
+    With plain weights ``linear`` keeps 3 GPUs. The fair split gives each 2, so the speeds to
+    come are 2 ** 0.2 and 2; with gamma = 6 (above 3.43) flat's second GPU, 0.149 / 2 ** 1.2,
+    is worth more than linear's third, 1 / 2 ** 6."""
+    nodes = _cluster(1, 4)
+    jobs = _scaling_pair()
+    base = {"flat": [0], "linear": [0, 0, 0]}
+    plain = WaterfillPolicy(search=search, future_gamma=None).optimize(jobs, nodes, base, 0.0)
+    assert len(plain["flat"]) == 1 and len(plain["linear"]) == 3
+    jobs = {k: dataclasses.replace(j, age=1e6) for k, j in jobs.items()}  # cheap restarts
+    strong = WaterfillPolicy(search=search, future_gamma=6.0).optimize(jobs, nodes, base, 0.0)
+    assert len(strong["flat"]) == 2 and len(strong["linear"]) == 2
+
+
+def test_future_gamma_must_be_non_negative():
+    with pytest.raises(ValueError, match="future_gamma"):
+        WaterfillPolicy(future_gamma=-0.5)
+    WaterfillPolicy(future_gamma=0.0)  # 0 (or None): weights not divided

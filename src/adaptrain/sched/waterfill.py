@@ -6,13 +6,16 @@ maximises a *weighted sum* of speedups (Smith's rule for mean completion time wi
 sub-linear speedups):
 
     maximise  sum_j w_j * U(s_j(r_j)) - sum_{j restarted} w_j * U(s_j(r_j^cur)) * c_j,
-    w_j = (1 + R_j / theta) ** -alpha,     c_j = 30 s * (restarts_j + 1) / (age_j + 30 s),
+    w_j = (1 + R_j / theta) ** -alpha / s_j(f_j) ** gamma,
+    c_j = 30 s * (restarts_j + 1) / (age_j + 30 s),
     s.t.      sum_j r_j <= GPUs,  min_j <= r_j <= max_j,
 
 where ``s_j(r)`` is the job's goodput speedup on ``r`` replicas packed on
 ``ceil(r / gpus_per_node)`` nodes (from its own goodput model), ``R_j`` the job's estimate of
 its remaining seconds on one GPU (``JobInfo.remaining_work``: remaining epochs' statistical
-progress over its modelled one-GPU goodput; jobs without a model get weight 1), ``U`` the
+progress over its modelled one-GPU goodput; jobs without a model get weight 1), ``f_j`` its
+max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to come, below),
+``U`` the
 identity (``p = 1``) or a power/log utility, and ``c_j`` Pollux's restart penalty (floored at
 ``min_restart_cost``). With
 ``weighting="las"`` the weight uses the attained GPU time instead (non-clairvoyant).
@@ -131,6 +134,24 @@ load 1.0 0.903/0.986/0.883/0.914 -> 0.915/0.971/0.878/0.913, load 1.5 0.852/0.91
 -> 0.855/0.915/0.861/0.866, load 2.0 0.848/0.898/0.862/0.888 -> 0.849/0.895/0.865/0.893: the
 mean over the 16 files 0.922 -> 0.918, every load-0.5 file better, the others mixed within the
 seed scatter (workload-1 at load 1.0, over three seeds of the genetic search: 0.903 -> 0.911).
+
+Speed to come (``future_gamma``, default 0.5; ``None`` or 0 turns it off): the weight of each
+job with a goodput model and a remaining-work estimate is divided by ``s_future **
+future_gamma``, ``s_future`` being its speedup at its max-min fair share of the GPUs, each job
+capped at its goodput peak within its bound (water-filling). A speedup gain ``ds`` held for
+``t`` seconds advances a job by ``ds t`` one-GPU seconds, which shortens its completion by about
+``ds t / s_future``, the speed at which it would otherwise have done that work later: a gain is
+worth more to a job that cannot run fast later (yolov3, whose goodput peaks near 11x) than to
+one that will (imagenet late in training, about 50x on 64 GPUs). The remaining-work weight keeps
+the shortest-first order on top. A job just submitted keeps weight 1, so against the measured
+jobs (divided by the root of their speed to come, with the default exponent) it is admitted more
+readily; dividing it too, by its prior's speed to come, was worse at load 0.5 and better at load
+1.0. Same-run effect over the 16 files, seed 0: mean 0.883 -> 0.875, better on 13 files, worse
+on 3 by at most 1.3%; over seeds 0 / 1 / 2 the means are 0.875 / 0.876 / 0.878 (were 0.883 /
+0.887 / 0.886), and 12 files are <= 0.90 under every seed (were 10). Measured at load 0.5, the
+gain falls mostly on the cifar10 and deepspeech2 jobs, less on yolov3. ``future_gamma = 1`` on
+the peak speed instead of the fair share gained 1-4% at load 0.5 but lost 5-7% at load 1.0
+(``benchmarks/results/sched.md``, session 27).
 """
 
 from __future__ import annotations
@@ -156,6 +177,23 @@ def _unmeasured(job: JobInfo) -> bool:
     return job.max_profiled_replicas == 0 and (
         job.speedup_fn is None or isinstance(job.speedup_fn, LinearSpeedup)
     )
+
+
+def _fair_shares(caps: Mapping[str, int], total: int) -> dict[str, float]:
+    """Max-min fair shares of ``total`` GPUs, job ``k`` taking at most ``caps[k]``: equal
+    shares, a job capped below its share giving the rest to the others (water-filling)."""
+    out: dict[str, float] = {}
+    left, rest = float(total), sorted(caps, key=lambda k: caps[k])
+    while rest:
+        even = left / len(rest)
+        k = rest[0]
+        if caps[k] > even:
+            out.update({k: even for k in rest})
+            break
+        out[k] = float(caps[k])
+        left -= caps[k]
+        rest.pop(0)
+    return out
 
 
 def _best_fit(r: int, free: Mapping[int, int]) -> int | None:
@@ -193,10 +231,16 @@ class WaterfillPolicy:
         explore_growth: float | None = 4.0,
         first_replicas: int | None = 4,
         first_beta: float = 0.5,
+        future_gamma: float | None = 0.5,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
                 f"first_replicas={first_replicas} must be >= 1, or None (the allocator's 1 GPU)"
+            )
+        if future_gamma is not None and not future_gamma >= 0.0:
+            raise ValueError(
+                f"future_gamma={future_gamma} must be >= 0, or None (weights not divided by a "
+                "job's later speed)"
             )
         if not 0.0 <= first_beta <= 1.0:
             raise ValueError(f"first_beta={first_beta} must lie in [0, 1]")
@@ -243,6 +287,7 @@ class WaterfillPolicy:
         self.explore_growth = explore_growth
         self.first_replicas = first_replicas
         self.first_beta = first_beta
+        self.future_gamma = future_gamma
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -385,13 +430,34 @@ class WaterfillPolicy:
         s = r.astype(np.float64) if fn is None else np.asarray(fn(n, r), dtype=np.float64)
         return np.concatenate([[0.0], np.maximum(s, 0.0)])
 
-    def _weights(self, jobs: Mapping[str, JobInfo], keys: list[str]) -> dict[str, float]:
+    def _weights(
+        self,
+        jobs: Mapping[str, JobInfo],
+        keys: list[str],
+        speedups: Mapping[str, np.ndarray] | None = None,
+        total: int | None = None,
+    ) -> dict[str, float]:
+        """Remaining-work (or attained-service) weights, divided by ``s_future ** future_gamma``
+        when ``speedups`` (``{key: s(0..rmax)}``, from :meth:`_curve`) and ``total`` are given
+        (see the module docstring)."""
         if self.weighting == "las":
-            return {k: (1.0 + jobs[k].attained_service / self.theta) ** (-self.alpha) for k in keys}
-        out = {}
-        for k in keys:  # unknown remaining work (new job): the largest weight, as under LAS
-            rem = jobs[k].remaining_work
-            out[k] = 1.0 if rem is None else (1.0 + rem / self.theta) ** (-self.alpha)
+            out = {k: (1.0 + jobs[k].attained_service / self.theta) ** (-self.alpha) for k in keys}
+        else:
+            out = {}
+            for k in keys:  # unknown remaining work (new job): the largest weight, as under LAS
+                rem = jobs[k].remaining_work
+                out[k] = 1.0 if rem is None else (1.0 + rem / self.theta) ** (-self.alpha)
+        if not self.future_gamma or speedups is None or total is None:
+            return out
+        # each job capped at its goodput peak within its bound (none if it may have no GPU)
+        peak = {k: int(np.argmax(speedups[k][1:])) + 1 if len(speedups[k]) > 1 else 0 for k in keys}
+        share = _fair_shares(peak, total)
+        for k in keys:
+            job = jobs[k]
+            if job.speedup_fn is None or job.remaining_work is None or not peak[k]:
+                continue  # no model or a new job: its speed to come is unknown
+            r = min(max(1, int(share[k])), len(speedups[k]) - 1)
+            out[k] *= max(1.0, float(speedups[k][r])) ** (-self.future_gamma)
         return out
 
     def _utility(self, s: np.ndarray) -> np.ndarray:
@@ -417,10 +483,9 @@ class WaterfillPolicy:
         jobs = self._explore(self._widen(jobs))
         total = sum(int(n.gpus) for n in nodes.values())
         keys = sorted(jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp))
-        weight = self._weights(jobs, keys)
-        curves = {
-            k: self._utility(self._curve(jobs[k], min(jobs[k].max_replicas, total))) for k in keys
-        }
+        raw = {k: self._curve(jobs[k], min(jobs[k].max_replicas, total)) for k in keys}
+        weight = self._weights(jobs, keys, raw, total)
+        curves = {k: self._utility(raw[k]) for k in keys}
         d = self.restart_delay
         rel_cost = {
             k: min(
