@@ -140,14 +140,14 @@ def test_empty_job_set():
     assert WaterfillPolicy().optimize({}, _cluster(), {}, 0.0) == {}
 
 
-def _fitness(policy: WaterfillPolicy, jobs, base, alloc, total: int = 16) -> float:
+def _fitness(policy: WaterfillPolicy, jobs, base, alloc, gpus: int = 16) -> float:
     """The genetic search's objective, computed independently: sum_j w_j s_j (x Pollux's
     restart factor if the job's placement changed), -10 per job left without GPUs. The weights
-    are the policy's, on the jobs' speedups up to their bounds on ``total`` GPUs (these jobs
+    are the policy's, on the jobs' speedups up to their bounds on ``gpus`` GPUs (these jobs
     have no profile, so no exploration or first-size rule changes them)."""
     keys = list(jobs)
-    curves = {k: policy._curve(jobs[k], min(jobs[k].max_replicas, total)) for k in keys}
-    weight = policy._weights(jobs, keys, curves, total)
+    curves = {k: policy._curve(jobs[k], min(jobs[k].max_replicas, gpus)) for k in keys}
+    weight = policy._weights(jobs, keys, curves, gpus)
     total = 0.0
     for k in keys:
         a = sorted(alloc.get(k, []))

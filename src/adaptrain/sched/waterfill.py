@@ -15,10 +15,9 @@ where ``s_j(r)`` is the job's goodput speedup on ``r`` replicas packed on
 its remaining seconds on one GPU (``JobInfo.remaining_work``: remaining epochs' statistical
 progress over its modelled one-GPU goodput; jobs without a model get weight 1), ``f_j`` its
 max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to come, below),
-``U`` the
-identity (``p = 1``) or a power/log utility, and ``c_j`` Pollux's restart penalty (floored at
-``min_restart_cost``). With
-``weighting="las"`` the weight uses the attained GPU time instead (non-clairvoyant).
+``U`` the identity (``p = 1``) or a power/log utility, and ``c_j`` Pollux's restart penalty
+(floored at ``min_restart_cost``). With ``weighting="las"`` the weight uses the attained GPU
+time instead (non-clairvoyant).
 
 Solved by a warm-started local search: start from the current replica counts (no restart for
 anyone), admit waiting jobs with one GPU each (from free GPUs, or from the job that loses least),
@@ -183,16 +182,13 @@ def _fair_shares(caps: Mapping[str, int], total: int) -> dict[str, float]:
     """Max-min fair shares of ``total`` GPUs, job ``k`` taking at most ``caps[k]``: equal
     shares, a job capped below its share giving the rest to the others (water-filling)."""
     out: dict[str, float] = {}
-    left, rest = float(total), sorted(caps, key=lambda k: caps[k])
-    while rest:
-        even = left / len(rest)
-        k = rest[0]
-        if caps[k] > even:
-            out.update({k: even for k in rest})
-            break
+    left, order = float(total), sorted(caps, key=lambda k: caps[k])
+    for i, k in enumerate(order):
+        even = left / (len(order) - i)
+        if caps[k] > even:  # this job and every larger one get an even share
+            return {**out, **{j: even for j in order[i:]}}
         out[k] = float(caps[k])
         left -= caps[k]
-        rest.pop(0)
     return out
 
 
