@@ -65,14 +65,19 @@ def test_second_round_keeps_allocation(seed):
 
 
 def test_restart_penalty_blocks_small_gains_for_young_jobs():
-    """A job that just restarted keeps its size when growing gains little; an old one grows."""
+    """A job that just restarted keeps its size when growing gains little; an old one grows
+    under Pollux's penalty alone (``grow_payback=None``). With the default growth payback of 3
+    rounds the old job stays too: 11% is less than the 1/6 of its new speed a growth must
+    repay (see ``test_growth_repays_its_restart_within_grow_payback_rounds``)."""
     nodes = _cluster(1, 4)
     fn = _concave(0.15)  # growing 2 -> 4 gains 11%: less than the young job's restart cost
     base = {"a": [0, 0]}
     young = {"a": JobInfo(0.0, max_replicas=4, speedup_fn=fn, age=60.0, num_restarts=1)}
     old = {"a": JobInfo(0.0, max_replicas=4, speedup_fn=fn, age=1e5, num_restarts=1)}
-    assert WaterfillPolicy().optimize(young, nodes, base, 60.0)["a"] == [0, 0]
-    assert len(WaterfillPolicy().optimize(old, nodes, base, 60.0)["a"]) == 4
+    pollux_penalty = WaterfillPolicy(grow_payback=None)
+    assert pollux_penalty.optimize(young, nodes, base, 60.0)["a"] == [0, 0]
+    assert len(pollux_penalty.optimize(old, nodes, base, 60.0)["a"]) == 4
+    assert WaterfillPolicy().optimize(old, nodes, base, 60.0)["a"] == [0, 0]
 
 
 def test_single_node_jobs_are_packed_and_multi_node_jobs_get_whole_nodes():
@@ -142,7 +147,8 @@ def test_empty_job_set():
 
 def _fitness(policy: WaterfillPolicy, jobs, base, alloc, gpus: int = 16) -> float:
     """The genetic search's objective, computed independently: sum_j w_j s_j (x Pollux's
-    restart factor if the job's placement changed), -10 per job left without GPUs. The weights
+    restart factor if the job's placement changed, at most 1 - the growth cost if a running job
+    grew), -10 per job left without GPUs. The weights
     are the policy's, on the jobs' speedups up to their bounds on ``gpus`` GPUs (these jobs
     have no profile, so no exploration or first-size rule changes them)."""
     keys = list(jobs)
@@ -156,9 +162,13 @@ def _fitness(policy: WaterfillPolicy, jobs, base, alloc, gpus: int = 16) -> floa
             continue
         job = jobs[k]
         s = float(job.speedup_fn(len(set(a)), len(a)))
-        if a != sorted(base.get(k, [])):
+        had = sorted(base.get(k, []))
+        if a != had:
             d = policy.restart_delay
-            s *= max(job.age - d * job.num_restarts, 0.0) / (job.age + d)
+            rho = max(job.age - d * job.num_restarts, 0.0) / (job.age + d)
+            if had and len(a) > len(had):
+                rho = min(rho, 1.0 - d / (policy.grow_payback * policy.round_seconds))
+            s *= rho
         total += weight[k] * s
     return total
 
@@ -507,8 +517,9 @@ def test_young_job_held_by_its_cap_ramps_past_a_flat_donor(search):
     case = dict(donor_fn=_power(0.3, 3.0), donor_work=3e4, donor_age=2500.0, donor_restarts=13)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
     # the ramp at the allocator's cap of 2 (explore_growth widens it: tested below); the
-    # weights computed above are the remaining-work ones (future_gamma: tested at the end)
-    kw = dict(search=search, explore_growth=None, future_gamma=None)
+    # weights computed above are the remaining-work ones (future_gamma: tested at the end), the
+    # costs Pollux's penalty alone (grow_payback: tested at the end)
+    kw = dict(search=search, explore_growth=None, future_gamma=None, grow_payback=None)
     alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
     assert len(alloc["young"]) == 2 and len(alloc["donor"]) == 6
@@ -724,7 +735,9 @@ def test_speed_to_come_moves_gpus_to_the_slow_job(search):
     plain = WaterfillPolicy(search=search, future_gamma=None).optimize(jobs, nodes, base, 0.0)
     assert len(plain["flat"]) == 1 and len(plain["linear"]) == 3
     jobs = {k: dataclasses.replace(j, age=1e6) for k, j in jobs.items()}  # cheap restarts
-    strong = WaterfillPolicy(search=search, future_gamma=6.0).optimize(jobs, nodes, base, 0.0)
+    # (and growth priced by Pollux's penalty alone: flat's second GPU repays no 1/6 of its speed)
+    strong = WaterfillPolicy(search=search, future_gamma=6.0, grow_payback=None)
+    strong = strong.optimize(jobs, nodes, base, 0.0)
     assert len(strong["flat"]) == 2 and len(strong["linear"]) == 2
 
 
@@ -732,3 +745,64 @@ def test_future_gamma_must_be_non_negative():
     with pytest.raises(ValueError, match="future_gamma"):
         WaterfillPolicy(future_gamma=-0.5)
     WaterfillPolicy(future_gamma=0.0)  # 0 (or None): weights not divided
+
+
+def _old_job(a: float) -> JobInfo:
+    """A job on 4 GPUs for a long time (restart penalty about 0), measured up to 8 GPUs, with
+    speedup ``r ** a`` and hours of work left."""
+    fn = _power(a)
+    return JobInfo(
+        0.0,
+        speedup_fn=fn,
+        max_replicas=8,
+        max_profiled_replicas=8,
+        remaining_work=1e5,
+        age=1e7,
+        num_restarts=1,
+    )
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_growth_repays_its_restart_within_grow_payback_rounds(search):
+    """Alone on 8 GPUs, a job on 4 whose Pollux penalty is about 0 grows to 8 however little it
+    gains. With ``grow_payback = 3`` a growth keeps at most 1 - 30 / 180 of its new speed: a
+    job with ``s = r ** 0.1`` (1.149 -> 1.231, +7%) stays on 4, a linear one (4 -> 8) grows."""
+    nodes, base = _cluster(2, 4), {"a": [0, 0, 0, 0]}
+    flat = {"a": _old_job(0.1)}
+    plain = WaterfillPolicy(search=search, grow_payback=None)
+    assert len(plain.optimize(flat, nodes, base, 0.0)["a"]) == 8
+    policy = WaterfillPolicy(search=search)  # grow_payback = 3 rounds
+    assert policy._grow_cost() == pytest.approx(30.0 / 180.0)
+    assert policy.optimize(flat, nodes, base, 0.0)["a"] == base["a"]
+    linear = {"a": _old_job(1.0)}
+    assert len(policy.optimize(linear, nodes, base, 0.0)["a"]) == 8
+    # a job not running yet is placed as before: the floor prices growth, not admission
+    assert len(policy.optimize(flat, nodes, {}, 0.0)["a"]) >= 1
+
+
+def test_genetic_fitness_prices_growth_not_shrinks():
+    """The genetic fitness: a running job that grows keeps ``min(rho, 1 - grow_cost)`` of its new
+    speed, one that shrinks or moves keeps Pollux's ``rho`` (here about 1)."""
+    from adaptrain.sched._plan import WeightedGeneticSearch
+
+    nodes, base = _cluster(2, 4), {"a": [0, 0, 0, 0]}
+    jobs, weights = {"a": _old_job(0.5)}, {"a": 1.0}
+    rho = (1e7 - 30.0) / (1e7 + 30.0)
+    g = WeightedGeneticSearch(grow_cost=0.25)
+    grown = g.fitness(jobs, nodes, base, weights, {"a": [0] * 4 + [1] * 4})
+    assert grown == pytest.approx(0.75 * float(_power(0.5)(2, 8)))
+    shrunk = g.fitness(jobs, nodes, base, weights, {"a": [0, 0]})
+    assert shrunk == pytest.approx(rho * float(_power(0.5)(1, 2)))
+    plain = WeightedGeneticSearch().fitness(jobs, nodes, base, weights, {"a": [0] * 4 + [1] * 4})
+    assert plain == pytest.approx(rho * float(_power(0.5)(2, 8)))
+
+
+def test_grow_payback_is_validated():
+    from adaptrain.sched._plan import WeightedGeneticSearch
+
+    with pytest.raises(ValueError, match="grow_payback"):
+        WaterfillPolicy(grow_payback=0.0)
+    with pytest.raises(ValueError, match="grow_cost"):
+        WeightedGeneticSearch(grow_cost=1.5)
+    assert WaterfillPolicy(grow_payback=None)._grow_cost() == 0.0
+    assert WaterfillPolicy(grow_payback=0.1)._grow_cost() == 1.0  # at most the whole speed

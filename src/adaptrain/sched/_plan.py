@@ -10,7 +10,8 @@ OSDI'21, Sec. 4.2) on a different fitness, the weighted sum of speedups
     FITNESS(A) = sum_j w_j * s_j(A_j) * rho_j^[A_j != A_j^cur]  -  M * #{j : s_j(A_j) = 0},
 
 with ``s_j`` the job's speedup over one GPU (not rebased), ``w_j`` waterfill's remaining-work
-weight, ``rho_j = max(age - d * restarts, 0) / (age + d)`` Pollux's restart factor and ``M`` a
+weight, ``rho_j = max(age - d * restarts, 0) / (age + d)`` Pollux's restart factor (at most
+``1 - grow_cost`` for a running job that grows: waterfill's ``grow_payback``) and ``M`` a
 large constant so that every job runs when it can. The search is seeded with waterfill's
 local-search allocation; its best candidate replaces that allocation only if its fitness is
 strictly higher, so the refinement never returns a worse answer (by this fitness) than the seed.
@@ -60,13 +61,17 @@ class WeightedGeneticSearch(PolluxPolicy):
         restart_delay: float = 30.0,
         seed: int | None = 0,
         max_jobs_full: int = 40,
+        grow_cost: float = 0.0,
     ) -> None:
         super().__init__(
             pop_size=pop_size, generations=generations, restart_delay=restart_delay, seed=seed
         )
         if max_jobs_full < 1:
             raise ValueError(f"max_jobs_full={max_jobs_full} must be >= 1")
+        if not 0.0 <= grow_cost <= 1.0:
+            raise ValueError(f"grow_cost={grow_cost} must lie in [0, 1]")
         self.max_jobs_full = max_jobs_full
+        self.grow_cost = grow_cost
         self.last_fitness = -np.inf  # FITNESS of the allocation the last refine() returned
         self._weights = np.zeros(0)
 
@@ -88,7 +93,12 @@ class WeightedGeneticSearch(PolluxPolicy):
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
         speedups = self._speedups(states)
         restart = np.any(states != base[None], axis=2)
-        s = speedups * np.where(restart, self._restart_factor[None], 1.0)
+        factor = np.broadcast_to(self._restart_factor[None], restart.shape)
+        if self.grow_cost > 0.0:  # a running job that grows keeps at most 1 - grow_cost
+            had = base.sum(axis=1)
+            grow = (states.sum(axis=2) > had[None]) & (had[None] > 0)
+            factor = np.where(grow, np.minimum(factor, 1.0 - self.grow_cost), factor)
+        s = speedups * np.where(restart, factor, 1.0)
         fit = (s * self._weights[None]).sum(axis=1)
         fit = fit - _UNSCHEDULED_PENALTY * (speedups <= 0).sum(axis=1)
         return np.column_stack([-fit, -self._utilities(states, speedups)])

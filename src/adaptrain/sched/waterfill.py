@@ -5,9 +5,10 @@ Pollux (OSDI'21) maximises a fairness power mean of speedups with a genetic sear
 maximises a *weighted sum* of speedups (Smith's rule for mean completion time with elastic,
 sub-linear speedups):
 
-    maximise  sum_j w_j * U(s_j(r_j)) - sum_{j restarted} w_j * U(s_j(r_j^cur)) * c_j,
+    maximise  sum_j w_j * U(s_j(r_j)) - sum_{j restarted} w_j * k_j,
     w_j = (1 + R_j / theta) ** -alpha / s_j(f_j) ** gamma,
-    c_j = 30 s * (restarts_j + 1) / (age_j + 30 s),
+    k_j = U(s_j(r_j^cur)) * c_j,  or  max(U(s_j(r_j^cur)) * c_j, U(s_j(r_j)) * g) if it grows,
+    c_j = 30 s * (restarts_j + 1) / (age_j + 30 s),   g = 30 s / (H * 60 s),
     s.t.      sum_j r_j <= GPUs,  min_j <= r_j <= max_j,
 
 where ``s_j(r)`` is the job's goodput speedup on ``r`` replicas packed on
@@ -15,8 +16,9 @@ where ``s_j(r)`` is the job's goodput speedup on ``r`` replicas packed on
 its remaining seconds on one GPU (``JobInfo.remaining_work``: remaining epochs' statistical
 progress over its modelled one-GPU goodput; jobs without a model get weight 1), ``f_j`` its
 max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to come, below),
-``U`` the identity (``p = 1``) or a power/log utility, and ``c_j`` Pollux's restart penalty
-(floored at ``min_restart_cost``). With ``weighting="las"`` the weight uses the attained GPU
+``U`` the identity (``p = 1``) or a power/log utility, ``c_j`` Pollux's restart penalty
+(floored at ``min_restart_cost``) and ``g`` the least share of its new speed a running job pays
+to grow (``H`` = ``grow_payback`` rounds, below). With ``weighting="las"`` the weight uses the attained GPU
 time instead (non-clairvoyant).
 
 Solved by a warm-started local search: start from the current replica counts (no restart for
@@ -151,6 +153,25 @@ on 3 by at most 1.3%; over seeds 0 / 1 / 2 the means are 0.875 / 0.876 / 0.878 (
 gain falls mostly on the cifar10 and deepspeech2 jobs, less on yolov3. ``future_gamma = 1`` on
 the peak speed instead of the fair share gained 1-4% at load 0.5 but lost 5-7% at load 1.0
 (``benchmarks/results/sched.md``, session 27).
+
+Growth payback (``grow_payback``, default 3 rounds; ``None`` prices growth by the restart
+penalty alone): a running job that grows pays at least ``g = restart_delay / (grow_payback *
+round_seconds)`` (1/6 by default) of its new speed, in the local search and in the genetic
+fitness (there its restart factor is at most ``1 - g``). Pollux's penalty amortises a restart
+over the job's age per restart, minutes to hours for an old job, so an old job with a flat
+speedup curve grows into GPUs freed by a completion for a gain of a few percent, and gives them
+back at a next arrival: two restarts, 60 s lost, for a round or two at the larger size
+(yolov3 on workload-3 at load 0.5: 19 -> 36 -> 20 GPUs over three consecutive rounds). The restart of a growth is repaid only if the larger size lasts
+``restart_delay * s_new / (s_new - s_old)`` seconds; the floor asks the gain to repay it within
+``grow_payback`` rounds. Admission (a job from 0 GPUs) and shrinking are priced as before.
+Same-run effect over the 16 files and seeds 0 / 1 / 2: the means are level (0.875 / 0.876 /
+0.878 -> 0.875 / 0.876 / 0.877); the seed means are better on 9 files by 0.2-1.9%, the worst
+ones most (workload-3 at load 0.5 0.921 -> 0.903, at load 1.0 0.930 -> 0.919; the largest
+figure over files and seeds 0.938 -> 0.923), and worse on 7 by 0.6-1.7% (three of them at load
+1.5); 13 files are <= 0.90 under every seed (were 12). On workload-3 yolov3 restarts 25-32%
+less often but finishes no sooner; the gain falls on deepspeech2, bert and ncf. Two rounds lost on workload-3 and
+workload-6 at load 0.5, four gained less on workload-3; the floor on growth into free GPUs only
+(not on moves between jobs) lost the gain (``benchmarks/results/sched.md``, session 28).
 """
 
 from __future__ import annotations
@@ -228,6 +249,7 @@ class WaterfillPolicy:
         first_replicas: int | None = 4,
         first_beta: float = 0.5,
         future_gamma: float | None = 0.5,
+        grow_payback: float | None = 3.0,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
@@ -237,6 +259,11 @@ class WaterfillPolicy:
             raise ValueError(
                 f"future_gamma={future_gamma} must be >= 0, or None (weights not divided by a "
                 "job's later speed)"
+            )
+        if grow_payback is not None and not grow_payback > 0.0:
+            raise ValueError(
+                f"grow_payback={grow_payback} must be > 0 rounds, or None (growth priced by the "
+                "restart penalty alone)"
             )
         if not 0.0 <= first_beta <= 1.0:
             raise ValueError(f"first_beta={first_beta} must lie in [0, 1]")
@@ -284,14 +311,27 @@ class WaterfillPolicy:
         self.first_replicas = first_replicas
         self.first_beta = first_beta
         self.future_gamma = future_gamma
+        self.grow_payback = grow_payback
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
                 WeightedGeneticSearch(
-                    pop_size, generations, restart_delay, None if seed is None else seed + i
+                    pop_size,
+                    generations,
+                    restart_delay,
+                    None if seed is None else seed + i,
+                    grow_cost=self._grow_cost(),
                 )
                 for i in range(genetic_runs)
             ]
+
+    def _grow_cost(self) -> float:
+        """The least share of its new speed a running job that grows pays for its restart:
+        ``restart_delay / (grow_payback * round_seconds)``, at most 1 (0 without
+        ``grow_payback``)."""
+        if self.grow_payback is None or self.restart_delay <= 0:
+            return 0.0
+        return min(1.0, self.restart_delay / (self.grow_payback * self.round_seconds))
 
     def state_dict(self) -> dict:
         """The genetic searches' warm-start populations and generator states (empty if local):
@@ -536,11 +576,15 @@ class WaterfillPolicy:
         target = {k: current[k] for k in keys}
         free = total - sum(target.values())
         penalty = {k: weight[k] * abs(curves[k][current[k]]) * rel_cost[k] for k in keys}
+        grow_cost = self._grow_cost()
 
         def value(k: str, r: int) -> float:
             v = weight[k] * curves[k][r]
             if current[k] and r != current[k]:
-                v -= penalty[k]
+                cost = penalty[k]
+                if r > current[k]:  # a growth repays its restart within grow_payback rounds
+                    cost = max(cost, weight[k] * abs(curves[k][r]) * grow_cost)
+                v -= cost
             return v
 
         def best_grow(k: str) -> tuple[float, int]:
