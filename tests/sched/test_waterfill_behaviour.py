@@ -148,9 +148,9 @@ def test_empty_job_set():
 def _fitness(policy: WaterfillPolicy, jobs, base, alloc, gpus: int = 16) -> float:
     """The genetic search's objective, computed independently: sum_j w_j s_j (x Pollux's
     restart factor if the job's placement changed, at most 1 - the growth cost if a running job
-    grew), -10 per job left without GPUs. The weights
-    are the policy's, on the jobs' speedups up to their bounds on ``gpus`` GPUs (these jobs
-    have no profile, so no exploration or first-size rule changes them)."""
+    grew), -10 per job left without GPUs. The weights are the policy's, on the jobs' speedups up
+    to their bounds on ``gpus`` GPUs (these jobs have no profile, so no exploration or first-size
+    rule changes them)."""
     keys = list(jobs)
     curves = {k: policy._curve(jobs[k], min(jobs[k].max_replicas, gpus)) for k in keys}
     weight = policy._weights(jobs, keys, curves, gpus)

@@ -91,17 +91,18 @@ class WeightedGeneticSearch(PolluxPolicy):
         self._table = table  # speedup over one GPU, not rebased to a fair share
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
-        speedups = self._speedups(states)
+        reps = states.sum(axis=2)  # (candidates, jobs), shared by the terms below
+        speedups = self._speedups(states, reps)
         restart = np.any(states != base[None], axis=2)
         factor = np.broadcast_to(self._restart_factor[None], restart.shape)
         if self.grow_cost > 0.0:  # a running job that grows keeps at most 1 - grow_cost
             had = base.sum(axis=1)
-            grow = (states.sum(axis=2) > had[None]) & (had[None] > 0)
+            grow = (reps > had[None]) & (had[None] > 0)
             factor = np.where(grow, np.minimum(factor, 1.0 - self.grow_cost), factor)
         s = speedups * np.where(restart, factor, 1.0)
         fit = (s * self._weights[None]).sum(axis=1)
         fit = fit - _UNSCHEDULED_PENALTY * (speedups <= 0).sum(axis=1)
-        return np.column_stack([-fit, -self._utilities(states, speedups)])
+        return np.column_stack([-fit, -self._utilities(states, speedups, reps)])
 
     def _prepare(self, jobs, nodes, base_allocations, weights):
         """Order jobs and nodes, set up the speedup tables and weights; the base matrix."""

@@ -214,9 +214,11 @@ class PolluxPolicy:
             where=(age + d) > 0,
         )
 
-    def _speedups(self, states: np.ndarray) -> np.ndarray:
+    def _speedups(self, states: np.ndarray, reps: np.ndarray | None = None) -> np.ndarray:
+        """Each candidate's speedup per job; ``reps`` = ``states.sum(axis=2)`` if the caller
+        has it already."""
         n = np.minimum(np.count_nonzero(states, axis=2), self._nmax)
-        r = np.minimum(states.sum(axis=2), self._rmax)
+        r = np.minimum(states.sum(axis=2) if reps is None else reps, self._rmax)
         return self._table[np.arange(states.shape[1])[None, :], n, r]
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
@@ -232,8 +234,10 @@ class PolluxPolicy:
             mean = (((scaled + 1e-3) ** p).sum(axis=1) / J) ** (1.0 / p)
         return np.column_stack([-mean, -self._utilities(states, speedups)])
 
-    def _utilities(self, states: np.ndarray, speedups: np.ndarray) -> np.ndarray:
-        reps = states.sum(axis=2)
+    def _utilities(
+        self, states: np.ndarray, speedups: np.ndarray, reps: np.ndarray | None = None
+    ) -> np.ndarray:
+        reps = states.sum(axis=2) if reps is None else reps
         active = states.sum(axis=1) > 0
         total = (active * self._cap[None]).sum(axis=1, keepdims=True)
         with np.errstate(divide="ignore", invalid="ignore"):

@@ -18,8 +18,8 @@ progress over its modelled one-GPU goodput; jobs without a model get weight 1), 
 max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to come, below),
 ``U`` the identity (``p = 1``) or a power/log utility, ``c_j`` Pollux's restart penalty
 (floored at ``min_restart_cost``) and ``g`` the least share of its new speed a running job pays
-to grow (``H`` = ``grow_payback`` rounds, below). With ``weighting="las"`` the weight uses the attained GPU
-time instead (non-clairvoyant).
+to grow (``H`` = ``grow_payback`` rounds, below). With ``weighting="las"`` the weight uses the
+attained GPU time instead (non-clairvoyant).
 
 Solved by a warm-started local search: start from the current replica counts (no restart for
 anyone), admit waiting jobs with one GPU each (from free GPUs, or from the job that loses least),
@@ -161,15 +161,16 @@ fitness (there its restart factor is at most ``1 - g``). Pollux's penalty amorti
 over the job's age per restart, minutes to hours for an old job, so an old job with a flat
 speedup curve grows into GPUs freed by a completion for a gain of a few percent, and gives them
 back at a next arrival: two restarts, 60 s lost, for a round or two at the larger size
-(yolov3 on workload-3 at load 0.5: 19 -> 36 -> 20 GPUs over three consecutive rounds). The restart of a growth is repaid only if the larger size lasts
-``restart_delay * s_new / (s_new - s_old)`` seconds; the floor asks the gain to repay it within
-``grow_payback`` rounds. Admission (a job from 0 GPUs) and shrinking are priced as before.
-Same-run effect over the 16 files and seeds 0 / 1 / 2: the means are level (0.875 / 0.876 /
-0.878 -> 0.875 / 0.876 / 0.877); the seed means are better on 9 files by 0.2-1.9%, the worst
-ones most (workload-3 at load 0.5 0.921 -> 0.903, at load 1.0 0.930 -> 0.919; the largest
-figure over files and seeds 0.938 -> 0.923), and worse on 7 by 0.6-1.7% (three of them at load
-1.5); 13 files are <= 0.90 under every seed (were 12). On workload-3 yolov3 restarts 25-32%
-less often but finishes no sooner; the gain falls on deepspeech2, bert and ncf. Two rounds lost on workload-3 and
+(yolov3 on workload-3 at load 0.5: 19 -> 36 -> 20 GPUs over three consecutive rounds). The
+restart of a growth is repaid only if the larger size lasts ``restart_delay * s_new / (s_new -
+s_old)`` seconds; the floor asks the gain to repay it within ``grow_payback`` rounds.
+Admission (a job from 0 GPUs) and shrinking are priced as before. Same-run effect over the
+16 files and seeds 0 / 1 / 2: the means are level (0.875 / 0.876 / 0.878 -> 0.875 / 0.876 /
+0.877); the seed means are better on 9 files by 0.2-1.9%, the worst ones most (workload-3 at
+load 0.5 0.921 -> 0.903, at load 1.0 0.930 -> 0.919; the largest figure over files and seeds
+0.938 -> 0.923), and worse on 7 by 0.6-1.7% (three of them at load 1.5); 13 files are <= 0.90
+under every seed (were 12). On workload-3 yolov3 restarts 25-32% less often but finishes no
+sooner; the gain falls on deepspeech2, bert and ncf. Two rounds lost on workload-3 and
 workload-6 at load 0.5, four gained less on workload-3; the floor on growth into free GPUs only
 (not on moves between jobs) lost the gain (``benchmarks/results/sched.md``, session 28).
 """
