@@ -1,0 +1,138 @@
+"""benchmarks/bench_sched.py: the median over seeds, the target summary, and a run end to end
+(several loads, seeds and processes) on tiny hand-made traces."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_sched.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_sched", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(seed, avg, pollux=1000.0, spr=0.1, wall=10.0):
+    return {
+        "workload": "workload-3",
+        "load": "0.5",
+        "policy": "waterfill",
+        "seed": seed,
+        "avg_jct": avg,
+        "stored_same_policy": None,
+        "ratio_to_stored_same_policy": None,
+        "ratio_to_stored_pollux": avg / pollux,
+        "p99_jct": 2 * avg,
+        "policy_s_per_round": spr,
+        "wall_s": wall,
+    }
+
+
+def test_median_row_takes_the_middle_seed(bench):
+    rows = [_row(0, 912.0, spr=0.07), _row(1, 896.0, spr=0.09), _row(2, 900.0, spr=0.08)]
+    med = bench.median_row(rows)
+    assert med["seed"] == "median" and med["seeds"] == [0, 1, 2]
+    assert med["avg_jct"] == 900.0
+    assert med["ratio_to_stored_pollux"] == pytest.approx(0.900)
+    assert med["ratios_to_stored_pollux"] == pytest.approx([0.912, 0.896, 0.900])
+    assert med["p99_jct"] == 1800.0
+    assert med["policy_s_per_round"] == 0.09  # the slowest seed
+    assert med["wall_s"] == 30.0
+    assert med["stored_same_policy"] is None and med["ratio_to_stored_same_policy"] is None
+    with pytest.raises(ValueError, match="at least one row"):
+        bench.median_row([])
+
+
+def test_target_summary_separates_median_and_every_seed(bench):
+    under_by_median = bench.median_row([_row(0, 912.0), _row(1, 896.0), _row(2, 900.0)])
+    under_always = bench.median_row([_row(0, 880.0), _row(1, 890.0), _row(2, 870.0)])
+    under_always["workload"] = "workload-1"
+    over = bench.median_row([_row(0, 923.0), _row(1, 917.0), _row(2, 917.0)])
+    over["load"] = "1.0"
+    single = _row(0, 850.0)
+    single["workload"] = "workload-5"
+    out = bench.target_summary([under_by_median, under_always, over, single])["waterfill"]
+    assert out["median"] == ["workload-3@0.5", "workload-1@0.5", "workload-5@0.5"]
+    assert out["every_seed"] == ["workload-1@0.5", "workload-5@0.5"]
+    assert out["over"] == ["workload-3@1.0"]
+
+
+def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
+    """Two loads, two seeds of our policy, Tiresias once, on two processes: per-seed rows in
+    task order, a median row per (file, stochastic policy), the summary, and the JSON."""
+    data = tmp_path / "pollux"
+    traces = data / "traces"
+    traces.mkdir(parents=True)
+    tiny_app_writer(traces)
+    rows = [("a", 0, "toy", 1, 8), ("b", 53, "toy", 4, 16), ("c", 130, "toy", 2, 8)]
+    for load in ("0.5", "1.0"):
+        wdir = data / ("workloads" if load == "1.0" else f"workloads-{load}")
+        wdir.mkdir()
+        with open(wdir / "workload-9.csv", "w") as f:
+            f.write("name,time,application,num_replicas,batch_size\n")
+            f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+        res = data / "results-jobload" / f"pollux-{load}"
+        res.mkdir(parents=True)
+        (res / "summary.json").write_text(json.dumps({"avgs": {"workload-9": 400.0}}))
+    out_json = tmp_path / "rows.json"
+    cmd = [
+        sys.executable,
+        BENCH,
+        "--traces",
+        str(traces),
+        "--load",
+        "0.5",
+        "1.0",
+        "--workloads",
+        "9",
+        "--policies",
+        "waterfill",
+        "tiresias",
+        "--seed",
+        "0",
+        "1",
+        "--processes",
+        "2",
+        "--json",
+        str(out_json),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out_json.read_text())
+    keys = [(r["load"], r["policy"], r["seed"]) for r in got]
+    assert keys == [
+        ("0.5", "waterfill", 0),
+        ("0.5", "waterfill", 1),
+        ("0.5", "waterfill", "median"),
+        ("0.5", "tiresias", 0),
+        ("1.0", "waterfill", 0),
+        ("1.0", "waterfill", 1),
+        ("1.0", "waterfill", "median"),
+        ("1.0", "tiresias", 0),
+    ]
+    for load in ("0.5", "1.0"):
+        seeds = [r for r in got if r["load"] == load and r["policy"] == "waterfill"]
+        s0, s1, med = seeds
+        assert med["avg_jct"] == pytest.approx((s0["avg_jct"] + s1["avg_jct"]) / 2)
+        assert med["ratio_to_stored_pollux"] == pytest.approx(med["avg_jct"] / 400.0)
+        assert med["ratios_to_stored_pollux"] == pytest.approx(
+            [s0["avg_jct"] / 400.0, s1["avg_jct"] / 400.0]
+        )
+    text = proc.stdout
+    assert "2 simulation(s) at a time" in text
+    lines = text.splitlines()
+    assert sum(" waterfill median " in line for line in lines) == 2
+    assert "waterfill: <= 0.90 x stored Pollux on" in text and "of 2 file(s)" in text
+    assert "under every seed" in text.split("waterfill:")[1].splitlines()[0]
+    tiresias = text.split("tiresias:")[1].splitlines()[0]
+    assert "under every seed" not in tiresias and "one run (deterministic)" in tiresias
