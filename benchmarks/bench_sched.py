@@ -51,6 +51,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -107,12 +109,8 @@ def median_row(rows: list[dict]) -> dict:
     if not rows:
         raise ValueError("median_row needs at least one row")
     avg = float(statistics.median(r["avg_jct"] for r in rows))
-    ref, first = rows[0]["stored_same_policy"], rows[0]
-    pollux = (
-        first["avg_jct"] / first["ratio_to_stored_pollux"]
-        if first["ratio_to_stored_pollux"]
-        else None
-    )
+    first = rows[0]
+    ref, pollux = first["stored_same_policy"], first["stored_pollux"]
     return {
         "workload": first["workload"],
         "load": first["load"],
@@ -121,6 +119,7 @@ def median_row(rows: list[dict]) -> dict:
         "seeds": [r["seed"] for r in rows],
         "avg_jct": avg,
         "stored_same_policy": ref,
+        "stored_pollux": pollux,
         "ratio_to_stored_same_policy": avg / ref if ref else None,
         "ratio_to_stored_pollux": avg / pollux if pollux else None,
         "ratios_to_stored_pollux": [r["ratio_to_stored_pollux"] for r in rows],
@@ -204,21 +203,22 @@ def main() -> int:
         for pol in args.policies
     ]
     tasks = [t for g in groups for t in g]
-    if args.processes == 1:
-        results = map(_run, tasks)
-    else:  # results come back in task order, each printed as soon as its turn comes
-        pool = concurrent.futures.ProcessPoolExecutor(args.processes)
-        results = pool.map(_run, tasks)
-    rows, final, it = [], [], iter(results)
-    for g in groups:
-        runs = [next(it) for _ in g]
-        for row in runs:
-            _print_row(row)
-        rows.extend(runs)
-        if len(runs) > 1:
-            rows.append(median_row(runs))
-            _print_row(rows[-1])
-        final.append(rows[-1])  # the median over seeds, or the single run
+    rows, final = [], []
+    with contextlib.ExitStack() as stack:
+        if args.processes == 1:
+            results = iter(map(_run, tasks))
+        else:  # results come back in task order, each printed as soon as its turn comes
+            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(args.processes))
+            results = iter(pool.map(_run, tasks))
+        for g in groups:
+            runs = [next(results) for _ in g]
+            for row in runs:
+                _print_row(row)
+            rows.extend(runs)
+            if len(runs) > 1:
+                rows.append(median_row(runs))
+                _print_row(rows[-1])
+            final.append(rows[-1])  # the median over seeds, or the single run
     how = "the median over seeds" if len(args.seed) > 1 else f"seed {args.seed[0]}"
     for pol, d in target_summary(final).items():
         line = f"{pol}: <= {TARGET:.2f} x stored Pollux on {len(d['median'])} of "
@@ -246,13 +246,9 @@ def _print_row(row: dict) -> None:
     )
 
 
-_APPS: dict[str, dict] = {}  # per process: the applications and their throughput memos
-
-
+@functools.cache  # per process: the applications and their throughput memos, loaded once
 def _applications(traces: str) -> dict:
-    if traces not in _APPS:
-        _APPS[traces] = load_applications(traces)
-    return _APPS[traces]
+    return load_applications(traces)
 
 
 def _run(task: tuple) -> dict:
@@ -280,6 +276,7 @@ def _run(task: tuple) -> dict:
         "seed": seed,
         "avg_jct": s["avg_jct"],
         "stored_same_policy": ref,
+        "stored_pollux": pollux,
         "ratio_to_stored_same_policy": s["avg_jct"] / ref if ref else None,
         "ratio_to_stored_pollux": s["avg_jct"] / pollux if pollux else None,
         "p99_jct": s["p99_jct"],

@@ -30,6 +30,7 @@ def _row(seed, avg, pollux=1000.0, spr=0.1, wall=10.0):
         "seed": seed,
         "avg_jct": avg,
         "stored_same_policy": None,
+        "stored_pollux": pollux,
         "ratio_to_stored_same_policy": None,
         "ratio_to_stored_pollux": avg / pollux,
         "p99_jct": 2 * avg,
