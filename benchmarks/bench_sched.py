@@ -206,10 +206,10 @@ def main() -> int:
     rows, final = [], []
     with contextlib.ExitStack() as stack:
         if args.processes == 1:
-            results = iter(map(_run, tasks))
+            results = map(_run, tasks)
         else:  # results come back in task order, each printed as soon as its turn comes
             pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(args.processes))
-            results = iter(pool.map(_run, tasks))
+            results = pool.map(_run, tasks)
         for g in groups:
             runs = [next(results) for _ in g]
             for row in runs:
