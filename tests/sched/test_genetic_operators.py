@@ -86,3 +86,61 @@ def test_repair_cuts_an_oversized_row_to_its_bound(sparse):
     assert np.all(out[:, 0].sum(axis=1) == 3)
     kept = {tuple(row) for row in out[:, 0]}
     assert len(kept) > 1  # which nodes keep replicas is random
+
+
+def _reference_repair(states, caps, min_rep):
+    """The repair's deterministic steps, cell by cell: interference avoidance as in the
+    artifact (from the second multi-node job on a node, every later job's replicas there go),
+    node capacity in job order, then jobs below their minimum get nothing."""
+    out = states.astype(np.int64).copy()
+    P, J, N = out.shape
+    for p in range(P):
+        multi = [np.count_nonzero(out[p, j]) > 1 for j in range(J)]
+        for n in range(N):
+            seen = 0
+            for j in range(J):
+                seen += multi[j] and out[p, j, n] > 0
+                if seen > 1:
+                    out[p, j, n] = 0
+        for n in range(N):
+            used = 0
+            for j in range(J):
+                out[p, j, n] = min(out[p, j, n], caps[n] - used)
+                used += out[p, j, n]
+        for j in range(J):
+            if out[p, j].sum() < min_rep[j]:
+                out[p, j] = 0
+    return out
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_repair_matches_a_cell_by_cell_reference(sparse, seed):
+    # bounds loose enough that no row is cut at random: the repair is then deterministic
+    rng = np.random.default_rng(seed)
+    pol = _policy(sparse, seed, max_reps=(10,) * 5)
+    pol._min_rep = np.array([0, 2, 0, 3, 1])
+    states = rng.integers(0, 4, size=(200, 5, len(CAPS))).astype(np.int16)
+    states[rng.random(states.shape) < 0.5] = 0
+    out = pol._repair(states)
+    assert out.dtype == np.int16
+    np.testing.assert_array_equal(out, _reference_repair(states, CAPS, pol._min_rep))
+
+
+def test_generation_carries_the_ranks_and_crowding_of_its_survivors():
+    # a generation reuses the merged population's ranks for the survivors: they must equal a
+    # fresh non-dominated sort of the survivors (and the crowding, a fresh computation)
+    from adaptrain.sched.pollux import _crowding, nondominated_ranks
+
+    pol = _policy(True, 4)
+    rng = np.random.default_rng(4)
+    base = _population(rng, 1)[0]
+    pop = pol._repair(_population(rng, 40))
+    F = pol._evaluate(pop, base)
+    rank = nondominated_ranks(F)
+    crowd = _crowding(F, rank)
+    for _ in range(15):
+        pop, F, rank, crowd = pol._generation(pop, F, rank, crowd, base)
+        np.testing.assert_array_equal(rank, nondominated_ranks(F))
+        np.testing.assert_array_equal(crowd, _crowding(F, rank))
+    assert rank.max() > 0  # several fronts survived

@@ -334,3 +334,27 @@ def test_allocate_job_respects_free_gpus_and_bounds(case, first, data):
             assert len(set(alloc)) == 1  # one node
         else:  # only when no node has room for its minimum
             assert all(n.gpus < max(job.min_replicas, 1) for n in free.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)), min_size=1, max_size=40))
+def test_crowding_matches_a_per_front_reference(points):
+    # several fronts and tied values: per front and objective, a stable sort by value, the two
+    # ends at infinity, inner points (next - previous) / (max - min), 0 on a flat front
+    from adaptrain.sched.pollux import _crowding
+
+    F = np.array(points, dtype=float)
+    rank = nondominated_ranks(F)
+    expected = np.zeros(len(F))
+    for k in np.unique(rank):
+        members = np.flatnonzero(rank == k)
+        for m in range(F.shape[1]):
+            idx = members[np.argsort(F[members, m], kind="stable")]
+            f = F[idx, m]
+            span = f[-1] - f[0]
+            for i, j in enumerate(idx):
+                if i == 0 or i == len(idx) - 1:
+                    expected[j] += np.inf
+                else:
+                    expected[j] += (f[i + 1] - f[i - 1]) / span if span > 0 else 0.0
+    np.testing.assert_array_equal(_crowding(F, rank), expected)

@@ -53,8 +53,9 @@ def nondominated_ranks(F: np.ndarray) -> np.ndarray:
     rank = np.empty(len(F), dtype=np.int64)
     mins: list[float] = []  # smallest f1 of each front
     f0_at_min: list[float] = []  # smallest f0 among that front's members attaining it
+    col0, col1 = F[:, 0].tolist(), F[:, 1].tolist()  # Python floats: faster to compare
     for i in order.tolist():
-        f0, f1 = F[i, 0], F[i, 1]
+        f0, f1 = col0[i], col1[i]
         k = bisect.bisect_left(mins, f1)
         while k < len(mins) and mins[k] == f1 and f0_at_min[k] < f0:
             k += 1
@@ -70,24 +71,28 @@ def nondominated_ranks(F: np.ndarray) -> np.ndarray:
 
 def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
     """NSGA-II crowding distance within each front (boundary points: infinity)."""
-    dist = np.zeros(len(F))
+    n = len(F)
+    dist = np.zeros(n)
+    if n == 0:
+        return dist
+    # sorted by rank first, the fronts occupy the same positions for every objective
+    r = np.sort(rank)
+    lo = np.ones(n, dtype=bool)
+    hi = np.ones(n, dtype=bool)
+    lo[1:] = r[1:] != r[:-1]  # first of its front
+    hi[:-1] = r[:-1] != r[1:]  # last of its front
+    first, last = np.flatnonzero(lo), np.flatnonzero(hi)
+    edge = lo | hi
+    idx = np.flatnonzero(~edge)  # inner points
+    front = (np.cumsum(lo) - 1)[idx]
     for m in range(F.shape[1]):
         order = np.lexsort((F[:, m], rank))
-        r, f = rank[order], F[order, m]
-        lo = np.ones(len(F), dtype=bool)
-        hi = np.ones(len(F), dtype=bool)
-        lo[1:] = r[1:] != r[:-1]  # first of its front
-        hi[:-1] = r[:-1] != r[1:]  # last of its front
-        fmin = np.minimum.reduceat(f, np.flatnonzero(lo))
-        fmax = np.maximum.reduceat(f, np.flatnonzero(lo))
-        front_id = np.cumsum(lo) - 1
-        span = (fmax - fmin)[front_id]
-        d = np.zeros(len(F))
-        inner = ~(lo | hi)
-        idx = np.flatnonzero(inner)
+        f = F[order, m]
+        span = (f[last] - f[first])[front]  # sorted within each front: max - min
+        d = np.empty(n)
         with np.errstate(divide="ignore", invalid="ignore"):
-            d[idx] = np.where(span[idx] > 0, (f[idx + 1] - f[idx - 1]) / span[idx], 0.0)
-        d[lo | hi] = np.inf
+            d[idx] = np.where(span > 0, (f[idx + 1] - f[idx - 1]) / span, 0.0)
+        d[edge] = np.inf
         dist[order] += d
     return dist
 
@@ -183,10 +188,30 @@ class PolluxPolicy:
         self._pinned_rows = base[self._pinned].copy()
         rmax = int(min(self._max_rep.max(initial=1), total))
         nmax = min(N, self.max_nodes_per_job, rmax)
-        # Speedup tables S[j, n, r] (rebased to the fair share), 0 where n > r.
+        self._nmax, self._rmax = nmax, rmax
+        self._table = self._speedup_table(jobs, fair_nodes, fair_replicas)
+        self._scale = self._share * N
+        restarts = np.array([j.num_restarts for j in jobs], dtype=np.float64)
+        age = np.array([j.age for j in jobs], dtype=np.float64)
+        d = self.restart_delay
+        # d = 0 and age 0: a free restart (factor 1), not 0/0
+        self._restart_factor = np.divide(
+            np.maximum(age - restarts * d, 0.0),
+            age + d,
+            out=np.ones_like(age),
+            where=(age + d) > 0,
+        )
+
+    def _speedup_table(
+        self, jobs: list[JobInfo], fair_nodes: int, fair_replicas: int
+    ) -> np.ndarray:
+        """Speedups ``S[j, n, r]`` for ``n <= _nmax`` nodes and ``r <= _rmax`` replicas,
+        rebased to the fair share (``fair_nodes``, ``fair_replicas``); 0 where ``n > r`` or
+        ``r`` exceeds the job's maximum."""
+        nmax, rmax = self._nmax, self._rmax
         n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
         valid = (n_grid >= 1) & (n_grid <= r_grid)
-        table = np.zeros((J, nmax + 1, rmax + 1))
+        table = np.zeros((len(jobs), nmax + 1, rmax + 1))
         for j, job in enumerate(jobs):
             fn = job.speedup_fn
             if fn is None:
@@ -200,19 +225,7 @@ class PolluxPolicy:
                 table[j][ok] = r_grid[ok] / fair_replicas
             else:
                 table[j][ok] = fn_r(n_grid[ok], r_grid[ok])
-        self._table = table
-        self._nmax, self._rmax = nmax, rmax
-        self._scale = self._share * N
-        restarts = np.array([j.num_restarts for j in jobs], dtype=np.float64)
-        age = np.array([j.age for j in jobs], dtype=np.float64)
-        d = self.restart_delay
-        # d = 0 and age 0: a free restart (factor 1), not 0/0
-        self._restart_factor = np.divide(
-            np.maximum(age - restarts * d, 0.0),
-            age + d,
-            out=np.ones_like(age),
-            where=(age + d) > 0,
-        )
+        return table
 
     def _speedups(self, states: np.ndarray, reps: np.ndarray | None = None) -> np.ndarray:
         """Each candidate's speedup per job; ``reps`` = ``states.sum(axis=2)`` if the caller
@@ -266,16 +279,20 @@ class PolluxPolicy:
             prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
             zero = rng.random(states.shape) < prob[:, :, None]
         states = np.where(zero, 0, states)
-        free = self._cap[None] - states.sum(axis=1)  # (P, N)
-        mask1 = np.broadcast_to((free >= 1)[:, None, :], states.shape)
-        prob1 = mask1 / np.maximum(mask1.sum(axis=1, keepdims=True), 1)
-        mask2 = (states > 0) & mask1
-        prob2 = mask2 / np.maximum(mask2.sum(axis=1, keepdims=True), 1)
-        m = rng.random(states.shape) < prob1 + prob2 - prob1 * prob2
+        # A cell mutates with probability p1 + p2 - p1 p2: p1 = 1/J on a node with a free GPU
+        # (any job), p2 = 1/(jobs there) for a job already on such a node. Both depend on
+        # (candidate, node) only, so they are computed per node and broadcast over jobs.
+        has_free = self._cap[None] - states.sum(axis=1) >= 1  # (P, N)
+        on_free = (states > 0) & has_free[:, None, :]  # (P, J, N)
+        prob1 = has_free / max(J, 1)  # (P, N)
+        prob2 = 1.0 / np.maximum(on_free.sum(axis=1), 1)  # (P, N), where on_free
+        both = prob1 + prob2 - prob1 * prob2
+        m = rng.random(states.shape) < np.where(on_free, both[:, None, :], prob1[:, None, :])
         if self._sparse_draws:  # a new count only for the cells mutated
             out = states.astype(_STATE_DTYPE)
-            hi = self._cap[np.nonzero(m)[2]]
-            out[m] = rng.integers(np.minimum(states[m], hi), hi + 1)
+            cells = np.flatnonzero(m)  # C order, as boolean indexing
+            hi = self._cap[cells % N]
+            out.reshape(-1)[cells] = rng.integers(np.minimum(states.reshape(-1)[cells], hi), hi + 1)
             return out
         hi = np.broadcast_to(self._cap[None, None, :], states.shape)
         r = rng.integers(np.minimum(states, hi), hi + 1)
@@ -286,32 +303,44 @@ class PolluxPolicy:
         # non-preemptible running jobs keep their exact allocation, whatever the operators did;
         # the other jobs yield to them (capacity first, nodes of a pinned multi-node job)
         pinned, free = self._pinned, ~self._pinned
+        any_pinned = bool(pinned.any())
         states[:, pinned] = self._pinned_rows[None]
+        # running counts along jobs in int32: several times faster than numpy's default int64
         if self.interference_avoidance:
             distributed = np.count_nonzero(states, axis=2) > 1
             mask = (states > 0) & distributed[:, :, None]
-            taken = mask[:, pinned].any(axis=1)  # (P, N): nodes of pinned multi-node jobs
-            mask &= free[None, :, None]
-            drop = (np.cumsum(mask, axis=1) > 1) | (mask & taken[:, None, :])
-            drop[:, pinned] = False
+            if any_pinned:
+                taken = mask[:, pinned].any(axis=1)  # (P, N): nodes of pinned multi-node jobs
+                mask &= free[None, :, None]
+                drop = (np.cumsum(mask, axis=1, dtype=np.int32) > 1) | (mask & taken[:, None, :])
+                drop[:, pinned] = False
+            else:
+                drop = np.cumsum(mask, axis=1, dtype=np.int32) > 1
             states[drop] = 0
         # Max replicas per job and max nodes per job, filling nodes in a random order.
-        flat = states.reshape(-1, states.shape[2])  # a view: rows are (candidate, job) pairs
-        max_rep = np.broadcast_to(self._max_rep[None], states.shape[:2]).reshape(-1)
+        P, J, N = states.shape
+        flat = states.reshape(-1, N)  # a view: rows are (candidate, job) pairs
         if self._sparse_draws:  # only the rows over a bound (the others are unchanged)
-            over = (flat.sum(axis=1) > max_rep) | (
+            over = (states.sum(axis=2) > self._max_rep[None]).reshape(-1) | (
                 np.count_nonzero(flat, axis=1) > self.max_nodes_per_job
             )
             rows = np.flatnonzero(over)
             if rows.size:
-                flat[rows] = self._cap_rows(flat[rows], max_rep[rows])
+                flat[rows] = self._cap_rows(flat[rows], self._max_rep[rows % J])
         else:
-            flat[:] = self._cap_rows(flat, max_rep)
-        states[:, pinned] = self._pinned_rows[None]
+            flat[:] = self._cap_rows(flat, np.tile(self._max_rep, P))
         # Node capacity: pinned jobs keep theirs, then jobs earlier in priority order.
-        left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)
-        st = np.minimum(np.cumsum(states[:, free], axis=1), left[None, None, :])
-        states[:, free] = np.diff(st, axis=1, prepend=0)
+        if any_pinned:
+            states[:, pinned] = self._pinned_rows[None]
+            left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)
+            st = np.minimum(np.cumsum(states[:, free], axis=1, dtype=np.int32), left[None, None, :])
+            states[:, free] = np.diff(st, axis=1, prepend=0)
+        else:
+            st = np.cumsum(states, axis=1, dtype=np.int32)
+            np.minimum(st, self._cap.astype(np.int32)[None, None, :], out=st)
+            states = np.empty(st.shape, dtype=_STATE_DTYPE)
+            states[:, :1] = st[:, :1]
+            np.subtract(st[:, 1:], st[:, :-1], out=states[:, 1:], casting="unsafe")
         below = (states.sum(axis=2) < self._min_rep[None, :]) & free[None, :]
         states[below] = 0
         return states.astype(_STATE_DTYPE, copy=False)
@@ -449,7 +478,9 @@ class PolluxPolicy:
         crowd = _crowding(Fm, rank)
         order = np.lexsort((-crowd, rank))[: self.pop_size]
         pop, F = merged[order], Fm[order]
-        rank = nondominated_ranks(F)
+        # the survivors keep their ranks: every front but the last is taken whole, and a
+        # point's dominators lie in earlier fronts (so recomputing them gives the same)
+        rank = rank[order]
         return pop, F, rank, _crowding(F, rank)
 
     def _adapt_prev(self, job_keys: list[str], node_keys: list[int]) -> np.ndarray:
