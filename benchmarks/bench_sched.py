@@ -35,7 +35,10 @@ exploration cap (``explore_growth=None``) and ``waterfill-first1`` starts every 
 (``future_gamma=None``): the session-25 default, the same-run reference for session 27's change.
 
 ``waterfill-nogrow`` prices a running job's growth by Pollux's restart penalty alone
-(``grow_payback=None``): the session-27 default, the same-run reference for session 28's change.
+(``grow_payback=None, payback_remaining=False``): the session-27 default, the same-run reference
+for session 28's change. ``waterfill-noend`` keeps the growth floor's horizon at
+``grow_payback`` rounds for a job about to end (``payback_remaining=False``): the session-28
+default, the same-run reference for session 31's change.
 
 ``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
 at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
@@ -83,7 +86,11 @@ VARIANTS = {
     # weights not divided by the job's speed at its fair share (the session-25 default)
     "waterfill-nofuture": lambda seed: WaterfillPolicy(future_gamma=None, seed=seed),
     # growth priced by Pollux's restart penalty alone (the session-27 default)
-    "waterfill-nogrow": lambda seed: WaterfillPolicy(grow_payback=None, seed=seed),
+    "waterfill-nogrow": lambda seed: WaterfillPolicy(
+        grow_payback=None, payback_remaining=False, seed=seed
+    ),
+    # the growth floor's horizon not shortened to a job's remaining time (session-28 default)
+    "waterfill-noend": lambda seed: WaterfillPolicy(payback_remaining=False, seed=seed),
     # new jobs wait for the next round (session 25)
     "waterfill-rounds": lambda seed: WaterfillPolicy(seed=seed),
     # our Pollux with AdaptDL's placement of a job on arrival (session 25)

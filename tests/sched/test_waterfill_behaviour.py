@@ -806,3 +806,58 @@ def test_grow_payback_is_validated():
         WeightedGeneticSearch(grow_cost=1.5)
     assert WaterfillPolicy(grow_payback=None)._grow_cost() == 0.0
     assert WaterfillPolicy(grow_payback=0.1)._grow_cost() == 1.0  # at most the whole speed
+
+
+def _ending_job(remaining_seconds: float) -> JobInfo:
+    """A linear job on 4 GPUs (restart penalty about 0) with ``remaining_seconds`` left at that
+    size (remaining work on one GPU = 4 x that)."""
+    return dataclasses.replace(_old_job(1.0), remaining_work=4.0 * remaining_seconds)
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_a_job_about_to_end_grows_only_if_it_ends_sooner(search):
+    """Growing 4 -> 8 GPUs halves the job's remaining time T but costs a 30 s restart: it ends
+    sooner only if T / 2 + 30 < T, i.e. T > 60 s. ``payback_remaining`` prices the growth at
+    ``30 / T`` of the new speed when T is under the payback horizon (3 rounds, 180 s), so the job
+    stays at T = 50 s and grows at T = 90 s; without it, it grows whenever T > 36 s (1/6)."""
+    nodes, base = _cluster(2, 4), {"a": [0, 0, 0, 0]}
+    policy = WaterfillPolicy(search=search)
+    assert policy.payback_remaining
+    assert policy.optimize({"a": _ending_job(50.0)}, nodes, base, 0.0)["a"] == base["a"]
+    assert len(policy.optimize({"a": _ending_job(90.0)}, nodes, base, 0.0)["a"]) == 8
+    plain = WaterfillPolicy(search=search, payback_remaining=False)
+    assert len(plain.optimize({"a": _ending_job(50.0)}, nodes, base, 0.0)["a"]) == 8
+
+
+def test_grow_costs_follow_the_remaining_time_under_the_horizon():
+    policy = WaterfillPolicy()  # restart 30 s, horizon 3 rounds of 60 s
+    base = {k: [0, 0, 0, 0] for k in ("end", "long", "new")}
+    jobs = {
+        "end": _ending_job(50.0),
+        "long": _ending_job(500.0),  # beyond the horizon: the constant floor, not listed
+        "new": JobInfo(0.0, max_replicas=8),  # no model, no estimate
+        "idle": _ending_job(10.0),  # not running: admission is not a growth
+    }
+    costs = policy._grow_costs(jobs, base)
+    assert costs == {"end": pytest.approx(30.0 / 50.0)}
+    assert policy._grow_costs({"a": _ending_job(10.0)}, {"a": [0] * 4}) == {"a": 1.0}
+    assert WaterfillPolicy(payback_remaining=False)._grow_costs(jobs, base) == {}
+    assert WaterfillPolicy(restart_delay=0.0)._grow_costs(jobs, base) == {}
+    # without the round floor, the remaining time alone sets the horizon
+    assert WaterfillPolicy(grow_payback=None)._grow_costs(jobs, base) == {
+        "end": pytest.approx(0.6),
+        "long": pytest.approx(30.0 / 500.0),
+    }
+
+
+def test_genetic_fitness_takes_per_job_grow_costs():
+    from adaptrain.sched._plan import WeightedGeneticSearch
+
+    nodes, base = _cluster(2, 4), {"a": [0, 0, 0, 0]}
+    jobs, weights = {"a": _old_job(0.5)}, {"a": 1.0}
+    g = WeightedGeneticSearch(grow_cost=0.25)
+    grown = {"a": [0] * 4 + [1] * 4}
+    s8 = float(_power(0.5)(2, 8))
+    assert g.fitness(jobs, nodes, base, weights, grown) == pytest.approx(0.75 * s8)
+    assert g.fitness(jobs, nodes, base, weights, grown, {"a": 0.6}) == pytest.approx(0.4 * s8)
+    assert g.fitness(jobs, nodes, base, weights, grown, {"b": 0.6}) == pytest.approx(0.75 * s8)

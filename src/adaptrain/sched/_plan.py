@@ -78,6 +78,7 @@ class WeightedGeneticSearch(PolluxPolicy):
         self.grow_cost = grow_cost
         self.last_fitness = -np.inf  # FITNESS of the allocation the last refine() returned
         self._weights = np.zeros(0)
+        self._grow_costs = np.zeros(0)
 
     def _speedup_table(
         self, jobs: list[JobInfo], fair_nodes: int, fair_replicas: int
@@ -100,17 +101,18 @@ class WeightedGeneticSearch(PolluxPolicy):
         speedups = self._speedups(states, reps)
         restart = np.any(states != base[None], axis=2)
         factor = np.broadcast_to(self._restart_factor[None], restart.shape)
-        if self.grow_cost > 0.0:  # a running job that grows keeps at most 1 - grow_cost
+        if self._grow_costs.any():  # a running job that grows keeps at most 1 - grow_cost
             had = base.sum(axis=1)
             grow = (reps > had[None]) & (had[None] > 0)
-            factor = np.where(grow, np.minimum(factor, 1.0 - self.grow_cost), factor)
+            factor = np.where(grow, np.minimum(factor, 1.0 - self._grow_costs[None]), factor)
         s = speedups * np.where(restart, factor, 1.0)
         fit = (s * self._weights[None]).sum(axis=1)
         fit = fit - _UNSCHEDULED_PENALTY * (speedups <= 0).sum(axis=1)
         return np.column_stack([-fit, -self._utilities(states, speedups, reps)])
 
-    def _prepare(self, jobs, nodes, base_allocations, weights):
-        """Order jobs and nodes, set up the speedup tables and weights; the base matrix."""
+    def _prepare(self, jobs, nodes, base_allocations, weights, grow_costs=None):
+        """Order jobs and nodes, set up the speedup tables, weights and growth costs
+        (``grow_costs`` per job, else ``grow_cost``); the base matrix."""
         job_keys = sorted(
             jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp, k)
         )
@@ -118,6 +120,8 @@ class WeightedGeneticSearch(PolluxPolicy):
         base = self._matrix(base_allocations, job_keys, node_keys)
         self._setup([jobs[k] for k in job_keys], [nodes[k] for k in node_keys], base)
         self._weights = np.array([float(weights[k]) for k in job_keys])
+        grow_costs = grow_costs or {}
+        self._grow_costs = np.array([float(grow_costs.get(k, self.grow_cost)) for k in job_keys])
         return job_keys, node_keys, base
 
     def refine(
@@ -127,15 +131,19 @@ class WeightedGeneticSearch(PolluxPolicy):
         base_allocations: Mapping[str, Sequence[int]],
         weights: Mapping[str, float],
         seed_allocations: Mapping[str, Sequence[int]],
+        grow_costs: Mapping[str, float] | None = None,
     ) -> Allocation:
         """The best allocation found, or ``seed_allocations`` unless strictly improved on.
 
-        Its FITNESS is left in :attr:`last_fitness`.
+        ``grow_costs`` (``{key: share}``) replaces ``grow_cost`` for the jobs it lists. Its
+        FITNESS is left in :attr:`last_fitness`.
         """
         if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
             self.last_fitness = 0.0
             return {}
-        job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)
+        job_keys, node_keys, base = self._prepare(
+            jobs, nodes, base_allocations, weights, grow_costs
+        )
         seed = self._matrix(seed_allocations, job_keys, node_keys)
         if self._prev_states is None:
             pop = base[None].copy()
@@ -167,10 +175,13 @@ class WeightedGeneticSearch(PolluxPolicy):
         base_allocations: Mapping[str, Sequence[int]],
         weights: Mapping[str, float],
         allocations: Mapping[str, Sequence[int]],
+        grow_costs: Mapping[str, float] | None = None,
     ) -> float:
         """FITNESS(allocations) of the module docstring (higher is better)."""
         if not jobs:
             return 0.0
-        job_keys, node_keys, base = self._prepare(jobs, nodes, base_allocations, weights)
+        job_keys, node_keys, base = self._prepare(
+            jobs, nodes, base_allocations, weights, grow_costs
+        )
         state = self._matrix(allocations, job_keys, node_keys)
         return -float(self._evaluate(state[None], base)[0, 0])

@@ -7,8 +7,8 @@ sub-linear speedups):
 
     maximise  sum_j w_j * U(s_j(r_j)) - sum_{j restarted} w_j * k_j,
     w_j = (1 + R_j / theta) ** -alpha / s_j(f_j) ** gamma,
-    k_j = U(s_j(r_j^cur)) * c_j,  or  max(U(s_j(r_j^cur)) * c_j, U(s_j(r_j)) * g) if it grows,
-    c_j = 30 s * (restarts_j + 1) / (age_j + 30 s),   g = 30 s / (H * 60 s),
+    k_j = U(s_j(r_j^cur)) * c_j,  or  max(U(s_j(r_j^cur)) * c_j, U(s_j(r_j)) * g_j) if it grows,
+    c_j = 30 s * (restarts_j + 1) / (age_j + 30 s),   g_j = 30 s / min(H * 60 s, T_j),
     s.t.      sum_j r_j <= GPUs,  min_j <= r_j <= max_j,
 
 where ``s_j(r)`` is the job's goodput speedup on ``r`` replicas packed on
@@ -17,8 +17,9 @@ its remaining seconds on one GPU (``JobInfo.remaining_work``: remaining epochs' 
 progress over its modelled one-GPU goodput; jobs without a model get weight 1), ``f_j`` its
 max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to come, below),
 ``U`` the identity (``p = 1``) or a power/log utility, ``c_j`` Pollux's restart penalty
-(floored at ``min_restart_cost``) and ``g`` the least share of its new speed a running job pays
-to grow (``H`` = ``grow_payback`` rounds, below). With ``weighting="las"`` the weight uses the
+(floored at ``min_restart_cost``) and ``g_j`` the least share of its new speed a running job
+pays to grow (``H`` = ``grow_payback`` rounds, ``T_j = R_j / s_j(r_j^cur)`` the job's remaining
+time at its current size; both below). With ``weighting="las"`` the weight uses the
 attained GPU time instead (non-clairvoyant).
 
 Solved by a warm-started local search: start from the current replica counts (no restart for
@@ -173,6 +174,18 @@ under every seed (were 12). On workload-3 yolov3 restarts 25-32% less often but 
 sooner; the gain falls on deepspeech2, bert and ncf. Two rounds lost on workload-3 and
 workload-6 at load 0.5, four gained less on workload-3; the floor on growth into free GPUs only
 (not on moves between jobs) lost the gain (``benchmarks/results/sched.md``, session 28).
+
+Payback before the end (``payback_remaining``, default ``True``): the growth floor's horizon is
+at most the job's remaining time at its current size, ``T_j = R_j / s_j(r_j^cur)``, so a job
+that ends within ``grow_payback`` rounds pays ``g_j = restart_delay / T_j`` of its new speed
+to grow (all of it when ``T_j`` is under one restart). Growing from ``s_old`` to ``s_new``
+ends the job sooner only if ``T_j (1 - s_old / s_new) > restart_delay``, which is exactly
+``s_new (1 - g_j) > s_old``: a job about to finish no longer grows into GPUs freed by a
+completion for a gain its restart eats (on workload-3 at load 1.0 a ``yolov3`` job restarted
+10 times in its last 31 minutes). Same-run effect, seed 0 over the 16 files: mean 0.875 ->
+0.869, better on 13 (by 0.2-2.0%), worse on 3 (workload-6 at loads 1.0-2.0, by 0.3-1.0%); on
+the three files over 0.90 under seeds 0 / 1 / 2, better on 8 of 9 runs
+(``benchmarks/results/sched.md``, session 31).
 """
 
 from __future__ import annotations
@@ -251,6 +264,7 @@ class WaterfillPolicy:
         first_beta: float = 0.5,
         future_gamma: float | None = 0.5,
         grow_payback: float | None = 3.0,
+        payback_remaining: bool = True,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
@@ -313,6 +327,7 @@ class WaterfillPolicy:
         self.first_beta = first_beta
         self.future_gamma = future_gamma
         self.grow_payback = grow_payback
+        self.payback_remaining = payback_remaining
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -333,6 +348,29 @@ class WaterfillPolicy:
         if self.grow_payback is None or self.restart_delay <= 0:
             return 0.0
         return min(1.0, self.restart_delay / (self.grow_payback * self.round_seconds))
+
+    def _grow_costs(
+        self, jobs: Mapping[str, JobInfo], base_allocations: Mapping[str, list[int]]
+    ) -> dict[str, float]:
+        """Per running job, the least share of its new speed it pays to grow when its
+        remaining time at its current size, ``T = remaining_work / s(current)``, is shorter
+        than the payback horizon: ``restart_delay / T`` (at most 1; see "Payback before the
+        end" in the module docstring). Jobs not listed pay :meth:`_grow_cost`."""
+        d = self.restart_delay
+        if not self.payback_remaining or d <= 0:
+            return {}
+        horizon = math.inf if self.grow_payback is None else self.grow_payback * self.round_seconds
+        out = {}
+        for k, job in jobs.items():
+            r = len(base_allocations.get(k, []))
+            rem, fn = job.remaining_work, job.speedup_fn
+            if not r or rem is None or fn is None:
+                continue
+            s = max(float(fn(-(-r // self.gpus_per_node), r)), 1e-9)
+            t_rem = rem / s
+            if t_rem < horizon:
+                out[k] = min(1.0, d / max(t_rem, 1e-9))
+        return out
 
     def state_dict(self) -> dict:
         """The genetic searches' warm-start populations and generator states (empty if local):
@@ -422,7 +460,7 @@ class WaterfillPolicy:
                 out[k] = dataclasses.replace(job, speedup_fn=fn)
         return out
 
-    def _ramp(self, jobs, keys, weight, curves, current, total, rel_cost, need):
+    def _ramp(self, jobs, keys, weight, curves, current, total, rel_cost, need, grow):
         """Jobs held by their exploration cap, with the step to the cap credited by the ramp
         it unlocks (see the module docstring): ``{key: JobInfo}``, the others left out."""
         g = self.gpus_per_node
@@ -440,7 +478,7 @@ class WaterfillPolicy:
         lifted = dict(curves)
         for k, top in tops.items():
             lifted[k] = self._utility(self._curve(jobs[k], top))
-        plan = self._local_search(keys, weight, lifted, current, total, rel_cost, need)
+        plan = self._local_search(keys, weight, lifted, current, total, rel_cost, need, grow)
         out: dict[str, JobInfo] = {}
         d = self.restart_delay
         for k in tops:
@@ -517,6 +555,7 @@ class WaterfillPolicy:
         """One round: replica counts by local search, then placement."""
         if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
             return {}
+        grow = self._grow_costs(jobs, base_allocations)
         jobs = self._explore(self._widen(jobs))
         total = sum(int(n.gpus) for n in nodes.values())
         keys = sorted(jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp))
@@ -547,11 +586,11 @@ class WaterfillPolicy:
         movable = [k for k in keys if k not in pinned]
         left = total - sum(len(a) for a in pinned.values())
         if self.ramp_credit is not None:  # credit the steps to the caps (in both searches)
-            ramped = self._ramp(jobs, movable, weight, curves, current, left, rel_cost, need)
+            ramped = self._ramp(jobs, movable, weight, curves, current, left, rel_cost, need, grow)
             jobs = {**jobs, **ramped}
             for k in ramped:
                 curves[k] = self._utility(self._curve(jobs[k], len(curves[k]) - 1))
-        target = self._local_search(movable, weight, curves, current, left, rel_cost, need)
+        target = self._local_search(movable, weight, curves, current, left, rel_cost, need, grow)
         for k in movable:  # honour minimum replicas: below it a job gets nothing
             if target[k] < jobs[k].min_replicas:
                 target[k] = 0
@@ -565,26 +604,30 @@ class WaterfillPolicy:
         n_runs = max(1, min(len(self._runs), len(self._runs) * full // len(jobs)))
         best, best_fit = placed, -np.inf
         for g in self._runs[:n_runs]:
-            out = g.refine(jobs, nodes, base_allocations, weight, placed)
+            out = g.refine(jobs, nodes, base_allocations, weight, placed, grow)
             if g.last_fitness > best_fit:
                 best, best_fit = out, g.last_fitness
         return best
 
-    def _local_search(self, keys, weight, curves, current, total, rel_cost, need) -> dict[str, int]:
+    def _local_search(
+        self, keys, weight, curves, current, total, rel_cost, need, grow=None
+    ) -> dict[str, int]:
         """Start from the current sizes; admit waiting jobs, fill free GPUs, then move GPUs
-        between jobs while the weighted utility gain beats the loss plus restart costs."""
+        between jobs while the weighted utility gain beats the loss plus restart costs.
+        ``grow`` (``{key: cost}``, from :meth:`_grow_costs`) overrides the growth floor."""
         g = self.gpus_per_node
         target = {k: current[k] for k in keys}
         free = total - sum(target.values())
         penalty = {k: weight[k] * abs(curves[k][current[k]]) * rel_cost[k] for k in keys}
         grow_cost = self._grow_cost()
+        grow = grow or {}
 
         def value(k: str, r: int) -> float:
             v = weight[k] * curves[k][r]
             if current[k] and r != current[k]:
                 cost = penalty[k]
                 if r > current[k]:  # a growth repays its restart within grow_payback rounds
-                    cost = max(cost, weight[k] * abs(curves[k][r]) * grow_cost)
+                    cost = max(cost, weight[k] * abs(curves[k][r]) * grow.get(k, grow_cost))
                 v -= cost
             return v
 
