@@ -183,8 +183,9 @@ ends the job sooner only if ``T_j (1 - s_old / s_new) > restart_delay``, which i
 ``s_new (1 - g_j) > s_old``: a job about to finish no longer grows into GPUs freed by a
 completion for a gain its restart eats (on workload-3 at load 1.0 a ``yolov3`` job restarted
 10 times in its last 31 minutes). Same-run effect, seed 0 over the 16 files: mean 0.875 ->
-0.869, better on 13 (by 0.2-2.0%), worse on 3 (workload-6 at loads 1.0-2.0, by 0.3-1.0%); on
-the three files over 0.90 under seeds 0 / 1 / 2, better on 8 of 9 runs
+0.869, better on 13 (by 0.2-2.0%), worse on 3 (workload-6 at loads 1.0-2.0, by 0.3-1.0%);
+seed 1: 0.876 -> 0.873, better on 10; on the three files over 0.90 under seeds 0 / 1 / 2,
+better on 8 of 9 runs, medians 0.897 / 0.899 / 0.913 (were 0.9005 / 0.908 / 0.917)
 (``benchmarks/results/sched.md``, session 31).
 """
 
