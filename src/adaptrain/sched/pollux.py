@@ -100,6 +100,17 @@ def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
 _STATE_DTYPE = np.int16  # replica counts per (job, node) cell
 
 
+def _fill_in_order(states: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """Per (candidate, node), the replicas of ``states`` (candidates x jobs x nodes) kept in
+    job order until the node's ``cap`` is reached (running sums in int32)."""
+    st = np.cumsum(states, axis=1, dtype=np.int32)
+    np.minimum(st, cap.astype(np.int32)[None, None, :], out=st)
+    out = np.empty(st.shape, dtype=_STATE_DTYPE)
+    out[:, :1] = st[:, :1]
+    np.subtract(st[:, 1:], st[:, :-1], out=out[:, 1:], casting="unsafe")
+    return out
+
+
 class PolluxPolicy:
     """Genetic-algorithm Pollux policy (``pop_size`` x ``generations`` per round)."""
 
@@ -333,14 +344,9 @@ class PolluxPolicy:
         if any_pinned:
             states[:, pinned] = self._pinned_rows[None]
             left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)
-            st = np.minimum(np.cumsum(states[:, free], axis=1, dtype=np.int32), left[None, None, :])
-            states[:, free] = np.diff(st, axis=1, prepend=0)
-        else:
-            st = np.cumsum(states, axis=1, dtype=np.int32)
-            np.minimum(st, self._cap.astype(np.int32)[None, None, :], out=st)
-            states = np.empty(st.shape, dtype=_STATE_DTYPE)
-            states[:, :1] = st[:, :1]
-            np.subtract(st[:, 1:], st[:, :-1], out=states[:, 1:], casting="unsafe")
+            states[:, free] = _fill_in_order(states[:, free], left)
+        else:  # no copy of the (all free) jobs' rows
+            states = _fill_in_order(states, self._cap)
         below = (states.sum(axis=2) < self._min_rep[None, :]) & free[None, :]
         states[below] = 0
         return states.astype(_STATE_DTYPE, copy=False)
