@@ -185,8 +185,10 @@ completion for a gain its restart eats (on workload-3 at load 1.0 a ``yolov3`` j
 10 times in its last 31 minutes). Same-run effect, seed 0 over the 16 files: mean 0.875 ->
 0.869, better on 13 (by 0.2-2.0%), worse on 3 (workload-6 at loads 1.0-2.0, by 0.3-1.0%);
 seed 1: 0.876 -> 0.873, better on 10; on the three files over 0.90 under seeds 0 / 1 / 2,
-better on 8 of 9 runs, medians 0.897 / 0.899 / 0.913 (were 0.9005 / 0.908 / 0.917)
-(``benchmarks/results/sched.md``, session 31).
+better on 8 of 9 runs, medians 0.897 / 0.899 / 0.913 (were 0.9005 / 0.908 / 0.917). Over all
+48 runs the seed means are 0.8687 / 0.8729 / 0.8691 (were 0.8749 / 0.8756 / 0.8771) and 15 of
+the 16 files are <= 0.90 by the median (were 13) (``benchmarks/results/sched.md``, sessions
+31 and 32).
 """
 
 from __future__ import annotations
