@@ -40,6 +40,10 @@ for session 28's change. ``waterfill-noend`` keeps the growth floor's horizon at
 ``grow_payback`` rounds for a job about to end (``payback_remaining=False``): the session-28
 default, the same-run reference for session 31's change.
 
+``waterfill-patience10`` and ``waterfill-patience25`` stop each round's genetic refinement
+after 10 or 25 generations in a row without a fitter candidate (``genetic_patience``, session
+32): less policy time, at a cost in JCT measured in ``benchmarks/results/sched.md``.
+
 ``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
 at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
 
@@ -91,6 +95,9 @@ VARIANTS = {
     ),
     # the growth floor's horizon not shortened to a job's remaining time (session-28 default)
     "waterfill-noend": lambda seed: WaterfillPolicy(payback_remaining=False, seed=seed),
+    # the genetic refinement stops after 10 / 25 generations without a fitter candidate
+    "waterfill-patience10": lambda seed: WaterfillPolicy(genetic_patience=10, seed=seed),
+    "waterfill-patience25": lambda seed: WaterfillPolicy(genetic_patience=25, seed=seed),
     # new jobs wait for the next round (session 25)
     "waterfill-rounds": lambda seed: WaterfillPolicy(seed=seed),
     # our Pollux with AdaptDL's placement of a job on arrival (session 25)

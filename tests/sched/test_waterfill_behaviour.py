@@ -861,3 +861,49 @@ def test_genetic_fitness_takes_per_job_grow_costs():
     assert g.fitness(jobs, nodes, base, weights, grown) == pytest.approx(0.75 * s8)
     assert g.fitness(jobs, nodes, base, weights, grown, {"a": 0.6}) == pytest.approx(0.4 * s8)
     assert g.fitness(jobs, nodes, base, weights, grown, {"b": 0.6}) == pytest.approx(0.75 * s8)
+
+
+def _recorded_bests(policy: WaterfillPolicy) -> list[float]:
+    """Wrap the first genetic run's steps to record the best score of its initial population
+    (its first evaluation), then of each generation's."""
+    search, bests = policy._runs[0], []
+    step, evaluate = search._generation, search._evaluate
+
+    def first_evaluation(states, base):
+        out = evaluate(states, base)
+        if not bests:
+            bests.append(float(out[:, 0].min()))
+        return out
+
+    def generation(pop, F, rank, crowd, base):
+        out = step(pop, F, rank, crowd, base)
+        bests.append(float(out[1][:, 0].min()))
+        return out
+
+    search._evaluate, search._generation = first_evaluation, generation
+    return bests
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_genetic_patience_stops_after_that_many_generations_without_a_fitter_candidate(seed):
+    """The same search with and without patience draws the same numbers up to the stop, so the
+    early-stopped run is the full run's prefix, cut exactly where ``patience`` generations in a
+    row found nothing fitter."""
+    jobs, base = _fragmented(seed)
+    full = WaterfillPolicy(seed=seed)
+    full_bests = _recorded_bests(full)
+    full.optimize(jobs, _cluster(), base, 0.0)
+    assert full._runs[0].last_generations == len(full_bests) - 1 == 50
+    patience, stall, expected = 3, 0, 50
+    for i in range(1, len(full_bests)):
+        stall = 0 if full_bests[i] < min(full_bests[:i]) else stall + 1
+        if stall >= patience:
+            expected = i
+            break
+    early = WaterfillPolicy(seed=seed, genetic_patience=patience)
+    early_bests = _recorded_bests(early)
+    early.optimize(jobs, _cluster(), base, 0.0)
+    assert early._runs[0].last_generations == len(early_bests) - 1 == expected < 50
+    assert early_bests == full_bests[: expected + 1]
+    with pytest.raises(ValueError, match="genetic_patience"):
+        WaterfillPolicy(genetic_patience=0)

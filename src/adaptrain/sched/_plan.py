@@ -50,7 +50,9 @@ class WeightedGeneticSearch(PolluxPolicy):
     """Pollux's genetic search maximising ``sum_j w_j s_j`` (see the module docstring).
 
     Not a policy by itself: :meth:`refine` takes the jobs, their weights and a seed allocation.
-    With more than ``max_jobs_full`` jobs it runs proportionally fewer generations.
+    With more than ``max_jobs_full`` jobs it runs proportionally fewer generations; with
+    ``patience`` it stops after that many generations in a row without a fitter candidate
+    (the best FITNESS in the population; ``None``: every generation runs).
     Its warm-start population and random generator round-trip through ``state_dict``.
     """
 
@@ -66,12 +68,19 @@ class WeightedGeneticSearch(PolluxPolicy):
         seed: int | None = 0,
         max_jobs_full: int = 40,
         grow_cost: float = 0.0,
+        patience: int | None = None,
     ) -> None:
         super().__init__(
             pop_size=pop_size, generations=generations, restart_delay=restart_delay, seed=seed
         )
         if max_jobs_full < 1:
             raise ValueError(f"max_jobs_full={max_jobs_full} must be >= 1")
+        if patience is not None and patience < 1:
+            raise ValueError(
+                f"patience={patience} must be >= 1 generation, or None (all generations run)"
+            )
+        self.patience = patience
+        self.last_generations = 0  # generations the last refine() ran
         if not 0.0 <= grow_cost <= 1.0:
             raise ValueError(f"grow_cost={grow_cost} must lie in [0, 1]")
         self.max_jobs_full = max_jobs_full
@@ -157,8 +166,20 @@ class WeightedGeneticSearch(PolluxPolicy):
         # work per generation grows with the number of jobs: beyond max_jobs_full jobs, run
         # proportionally fewer generations (a deterministic bound on the cost per round)
         gens = max(1, min(self.generations, self.generations * self.max_jobs_full // len(job_keys)))
+        # early stop: `patience` generations in a row without a fitter candidate
+        best_f, stall, ran = float(F[:, 0].min()), 0, 0
         for _ in range(gens):
             pop, F, rank, crowd = self._generation(pop, F, rank, crowd, base)
+            ran += 1
+            if self.patience is not None:
+                f = float(F[:, 0].min())
+                if f < best_f:
+                    best_f, stall = f, 0
+                else:
+                    stall += 1
+                    if stall >= self.patience:
+                        break
+        self.last_generations = ran
         self._remember(pop, job_keys, node_keys)
         best = int(np.argmin(F[:, 0]))
         if not F[best, 0] < seed_fit - 1e-9 * max(1.0, abs(seed_fit)):
