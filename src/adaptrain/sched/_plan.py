@@ -75,16 +75,16 @@ class WeightedGeneticSearch(PolluxPolicy):
         )
         if max_jobs_full < 1:
             raise ValueError(f"max_jobs_full={max_jobs_full} must be >= 1")
+        if not 0.0 <= grow_cost <= 1.0:
+            raise ValueError(f"grow_cost={grow_cost} must lie in [0, 1]")
         if patience is not None and patience < 1:
             raise ValueError(
                 f"patience={patience} must be >= 1 generation, or None (all generations run)"
             )
-        self.patience = patience
-        self.last_generations = 0  # generations the last refine() ran
-        if not 0.0 <= grow_cost <= 1.0:
-            raise ValueError(f"grow_cost={grow_cost} must lie in [0, 1]")
         self.max_jobs_full = max_jobs_full
         self.grow_cost = grow_cost
+        self.patience = patience
+        self.last_generations = 0  # generations the last refine() ran
         self.last_fitness = -np.inf  # FITNESS of the allocation the last refine() returned
         self._weights = np.zeros(0)
         self._grow_costs = np.zeros(0)
@@ -167,19 +167,16 @@ class WeightedGeneticSearch(PolluxPolicy):
         # proportionally fewer generations (a deterministic bound on the cost per round)
         gens = max(1, min(self.generations, self.generations * self.max_jobs_full // len(job_keys)))
         # early stop: `patience` generations in a row without a fitter candidate
-        best_f, stall, ran = float(F[:, 0].min()), 0, 0
-        for _ in range(gens):
+        best_f, stall = float(F[:, 0].min()), 0
+        for ran in range(1, gens + 1):
             pop, F, rank, crowd = self._generation(pop, F, rank, crowd, base)
-            ran += 1
-            if self.patience is not None:
-                f = float(F[:, 0].min())
-                if f < best_f:
-                    best_f, stall = f, 0
-                else:
-                    stall += 1
-                    if stall >= self.patience:
-                        break
-        self.last_generations = ran
+            self.last_generations = ran
+            if self.patience is None:
+                continue
+            f = float(F[:, 0].min())
+            best_f, stall = (f, 0) if f < best_f else (best_f, stall + 1)
+            if stall >= self.patience:
+                break
         self._remember(pop, job_keys, node_keys)
         best = int(np.argmin(F[:, 0]))
         if not F[best, 0] < seed_fit - 1e-9 * max(1.0, abs(seed_fit)):
