@@ -7,10 +7,11 @@ Replays a workload under our default policy with three views of each job:
 
 * ``learned``: what every policy sees in the simulator (and in a real cluster): the throughput
   model each job fits online to the configurations it has run on, and ``max_replicas`` capped at
-  twice the largest replica count it has run on (the artifact's exploration rule);
+  twice the largest replica count it has run on (the artifact's exploration rule; our policy
+  widens it to ``explore_growth`` = 4 times);
 * ``full``: the throughput model fitted once to *all* of the application's measurements
   (``placements.csv`` + ``scalability.csv``), the cap kept: a perfect-knowledge model;
-* ``full-nocap``: the same model without the cap (a job may jump to any size at once).
+* ``full-nocap``: the same model without any cap (a job may jump to any size at once).
 
 Gradient statistics (the statistical efficiency) are the job's current ones in all three.
 ``full`` and ``full-nocap`` use knowledge no policy has, so they are bounds for what better
@@ -52,8 +53,8 @@ class FullModelSimulator(Simulator):
         self.full_params = full_params
         self.cap = cap
 
-    def job_info(self, job):
-        info = super().job_info(job)
+    def job_info(self, job, now=None):
+        info = super().job_info(job, now=now)
         app = job.app
         if job.perf_params is None or app.name == "ncf":  # ncf runs at one GPU anyway
             return info

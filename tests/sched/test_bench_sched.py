@@ -137,3 +137,30 @@ def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     assert "under every seed" in text.split("waterfill:")[1].splitlines()[0]
     tiresias = text.split("tiresias:")[1].splitlines()[0]
     assert "under every seed" not in tiresias and "one run (deterministic)" in tiresias
+
+
+def test_diag_models_runs_every_mode_with_arrivals(tmp_path, tiny_app_writer):
+    """benchmarks/diag_sched_models.py end to end on a tiny trace whose jobs arrive between
+    rounds (the simulator then asks for a job's view at the arrival time): one line per mode,
+    with the ratio to the stored per-job JCTs."""
+    diag = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
+    data = tmp_path / "pollux"
+    traces = data / "traces"
+    traces.mkdir(parents=True)
+    tiny_app_writer(traces)
+    wdir = data / "workloads"
+    wdir.mkdir()
+    rows = [("toy-0", 0, "toy", 1, 8), ("toy-1", 53, "toy", 4, 16), ("toy-2", 130, "toy", 2, 8)]
+    with open(wdir / "workload-9.csv", "w") as f:
+        f.write("name,time,application,num_replicas,batch_size\n")
+        f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+    res = data / "results-jobload" / "pollux-1.0"
+    res.mkdir(parents=True)
+    stored = {"jcts": {"workload-9": {"toy-0": 400.0, "toy-1": 400.0, "toy-2": 400.0}}}
+    (res / "summary.json").write_text(json.dumps(stored))
+    cmd = [sys.executable, diag, "--traces", str(traces), "--workloads", "9"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "workload-9" in line]
+    assert [line.split()[3] for line in lines] == ["learned", "full", "full-nocap"]
+    assert all("/ stored Pollux" in line and "(toy " in line for line in lines)
