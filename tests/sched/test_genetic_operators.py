@@ -144,3 +144,32 @@ def test_generation_carries_the_ranks_and_crowding_of_its_survivors():
         np.testing.assert_array_equal(rank, nondominated_ranks(F))
         np.testing.assert_array_equal(crowd, _crowding(F, rank))
     assert rank.max() > 0  # several fronts survived
+
+
+@pytest.mark.parametrize("jobs", [0, 1, 5, 16, 17, 40])
+@pytest.mark.parametrize("nodes", [1, 3, 4, 16])
+def test_count_helpers_equal_numpy(jobs, nodes):
+    """The BLAS-backed reductions of ``_counts`` return numpy's integers exactly, including
+    both sides of the triangular-product threshold, odd node counts and empty arrays."""
+    from adaptrain.sched import _counts
+
+    rng = np.random.default_rng(jobs * 100 + nodes)
+    states = (rng.integers(0, 9, (7, jobs, nodes)) * (rng.random((7, jobs, nodes)) < 0.4)).astype(
+        np.int16
+    )
+    states[0, : min(jobs, 2)] = 32767  # the int16 ceiling adds exactly too
+    base = states[1].copy()
+    for got, want in [
+        (_counts.sum_nodes(states), states.sum(axis=2)),
+        (_counts.count_nodes(states), np.count_nonzero(states, axis=2)),
+        (_counts.sum_jobs(states), states.sum(axis=1)),
+        (_counts.sum_jobs(states > 0), (states > 0).sum(axis=1)),
+        (_counts.cumsum_jobs(states), np.cumsum(states, axis=1, dtype=np.int32)),
+        (_counts.cumsum_jobs(states > 0), np.cumsum(states > 0, axis=1, dtype=np.int32)),
+        (_counts.rows_differ(states, base), np.any(states != base[None], axis=2)),
+        (_counts.rows_differ(states, base.astype(np.int64)), np.any(states != base[None], axis=2)),
+    ]:
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    if jobs:
+        assert _counts.rows_differ(states, base)[1].sum() == 0  # base is candidate 1

@@ -26,7 +26,11 @@ itself keeps the artifact's dense draws. Session 31 trimmed the shared operators
 changing a single draw or result (mutation probabilities per (candidate, node), int32 running
 sums in the repair, the survivors' ranks carried over, one front layout for both crowding
 objectives, no unused rebased table): the same per-job completion times on the heaviest file,
-with 0.77 x the policy time.
+with 0.77 x the policy time. Session 33 moved the integer reductions over short axes (replicas
+and nodes per job, GPUs per node, running sums over jobs) to exact float64 matrix products
+(:mod:`adaptrain.sched._counts`) and the mutation's row resets and zeroings to in-place writes:
+the same allocations and warm-start populations on 220 replayed rounds (and for
+:class:`PolluxPolicy`), at 0.84-0.86 x the policy time.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ._counts import rows_differ, sum_nodes
 from .policy_base import Allocation, JobInfo, NodeInfo
 from .pollux import PolluxPolicy, _crowding, nondominated_ranks
 
@@ -106,10 +111,10 @@ class WeightedGeneticSearch(PolluxPolicy):
         return table
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
-        reps = states.sum(axis=2)  # (candidates, jobs), shared by the terms below
+        reps = sum_nodes(states)  # (candidates, jobs), shared by the terms below
         speedups = self._speedups(states, reps)
-        restart = np.any(states != base[None], axis=2)
-        factor = np.broadcast_to(self._restart_factor[None], restart.shape)
+        restart = rows_differ(states, base)
+        factor = self._restart_factor[None]  # (1, jobs), broadcast over candidates
         if self._grow_costs.any():  # a running job that grows keeps at most 1 - grow_cost
             had = base.sum(axis=1)
             grow = (reps > had[None]) & (had[None] > 0)
@@ -117,7 +122,10 @@ class WeightedGeneticSearch(PolluxPolicy):
         s = speedups * np.where(restart, factor, 1.0)
         fit = (s * self._weights[None]).sum(axis=1)
         fit = fit - _UNSCHEDULED_PENALTY * (speedups <= 0).sum(axis=1)
-        return np.column_stack([-fit, -self._utilities(states, speedups, reps)])
+        out = np.empty((len(fit), 2))  # (fitness, utility), both minimised
+        out[:, 0] = -fit
+        out[:, 1] = -self._utilities(states, speedups, reps)
+        return out
 
     def _prepare(self, jobs, nodes, base_allocations, weights, grow_costs=None):
         """Order jobs and nodes, set up the speedup tables, weights and growth costs

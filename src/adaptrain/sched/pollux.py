@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from ._counts import count_nodes, cumsum_jobs, cumsum_row, rows_differ, sum_jobs, sum_nodes
 from .policy_base import Allocation, JobInfo, NodeInfo
 
 logger = logging.getLogger(__name__)
@@ -85,15 +86,15 @@ def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
     edge = lo | hi
     idx = np.flatnonzero(~edge)  # inner points
     front = (np.cumsum(lo) - 1)[idx]
-    for m in range(F.shape[1]):
-        order = np.lexsort((F[:, m], rank))
-        f = F[order, m]
-        span = (f[last] - f[first])[front]  # sorted within each front: max - min
-        d = np.empty(n)
-        with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for m in range(F.shape[1]):
+            order = np.lexsort((F[:, m], rank))
+            f = F[order, m]
+            span = (f[last] - f[first])[front]  # sorted within each front: max - min
+            d = np.empty(n)
             d[idx] = np.where(span > 0, (f[idx + 1] - f[idx - 1]) / span, 0.0)
-        d[edge] = np.inf
-        dist[order] += d
+            d[edge] = np.inf
+            dist[order] += d
     return dist
 
 
@@ -103,12 +104,18 @@ _STATE_DTYPE = np.int16  # replica counts per (job, node) cell
 def _fill_in_order(states: np.ndarray, cap: np.ndarray) -> np.ndarray:
     """Per (candidate, node), the replicas of ``states`` (candidates x jobs x nodes) kept in
     job order until the node's ``cap`` is reached (running sums in int32)."""
-    st = np.cumsum(states, axis=1, dtype=np.int32)
+    st = cumsum_jobs(states)
     np.minimum(st, cap.astype(np.int32)[None, None, :], out=st)
     out = np.empty(st.shape, dtype=_STATE_DTYPE)
     out[:, :1] = st[:, :1]
     np.subtract(st[:, 1:], st[:, :-1], out=out[:, 1:], casting="unsafe")
     return out
+
+
+def _row_bytes(states: np.ndarray) -> list[bytes]:
+    """Each candidate's bytes (``row.tobytes()`` per row, in one call)."""
+    flat = np.ascontiguousarray(states.reshape(len(states), math.prod(states.shape[1:])))
+    return flat.view(np.dtype((np.void, flat.shape[1] * flat.itemsize))).ravel().tolist()
 
 
 class PolluxPolicy:
@@ -241,14 +248,16 @@ class PolluxPolicy:
     def _speedups(self, states: np.ndarray, reps: np.ndarray | None = None) -> np.ndarray:
         """Each candidate's speedup per job; ``reps`` = ``states.sum(axis=2)`` if the caller
         has it already."""
-        n = np.minimum(np.count_nonzero(states, axis=2), self._nmax)
-        r = np.minimum(states.sum(axis=2) if reps is None else reps, self._rmax)
-        return self._table[np.arange(states.shape[1])[None, :], n, r]
+        n = np.minimum(count_nodes(states), self._nmax)
+        r = np.minimum(sum_nodes(states) if reps is None else reps, self._rmax)
+        _, n_size, r_size = self._table.shape  # table[j, n, r], by its flat (C-order) index
+        job = np.arange(states.shape[1])[None, :] * (n_size * r_size)
+        return np.take(self._table, job + n * r_size + r)
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
         speedups = self._speedups(states)
         scaled = speedups * self._scale
-        restart = np.any(states != base[None], axis=2)
+        restart = rows_differ(states, base)
         scaled = scaled * np.where(restart, self._restart_factor[None], 1.0)
         p = self.p
         J = states.shape[1]
@@ -261,9 +270,9 @@ class PolluxPolicy:
     def _utilities(
         self, states: np.ndarray, speedups: np.ndarray, reps: np.ndarray | None = None
     ) -> np.ndarray:
-        reps = states.sum(axis=2) if reps is None else reps
-        active = states.sum(axis=1) > 0
-        total = (active * self._cap[None]).sum(axis=1, keepdims=True)
+        reps = sum_nodes(states) if reps is None else reps
+        active = sum_jobs(states) > 0
+        total = (active @ self._cap)[:, None]  # GPUs on the nodes in use
         with np.errstate(divide="ignore", invalid="ignore"):
             shares = np.where(reps > 0, reps / total, 0.0)
             util = np.where(reps > 0, speedups / reps, 0.0)
@@ -280,23 +289,25 @@ class PolluxPolicy:
     def _mutation(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
         rng = self.rng
         P, J, N = states.shape
-        reset = rng.random((P, J)) < 0.1
-        states = np.where(reset[:, :, None], base[None], states)
+        reset = np.nonzero(rng.random((P, J)) < 0.1)  # rows back to the current allocation
+        states = states.copy()
+        states[reset] = base[reset[1]]
         if self._sparse_draws:  # draw only for the rows picked (the same distribution)
-            picked = rng.random((P, J)) < 0.1
-            zero = np.zeros(states.shape, dtype=bool)
-            zero[picked] = rng.random((int(picked.sum()), N)) < 0.1
+            picked = np.nonzero(rng.random((P, J)) < 0.1)
+            zero = rng.random((picked[0].size, N)) < 0.1
+            rows = states[picked]
+            rows[zero] = 0
+            states[picked] = rows
         else:
             prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
-            zero = rng.random(states.shape) < prob[:, :, None]
-        states = np.where(zero, 0, states)
+            states[rng.random(states.shape) < prob[:, :, None]] = 0
         # A cell mutates with probability p1 + p2 - p1 p2: p1 = 1/J on a node with a free GPU
         # (any job), p2 = 1/(jobs there) for a job already on such a node. Both depend on
         # (candidate, node) only, so they are computed per node and broadcast over jobs.
-        has_free = self._cap[None] - states.sum(axis=1) >= 1  # (P, N)
+        has_free = self._cap[None] - sum_jobs(states) >= 1  # (P, N)
         on_free = (states > 0) & has_free[:, None, :]  # (P, J, N)
         prob1 = has_free / max(J, 1)  # (P, N)
-        prob2 = 1.0 / np.maximum(on_free.sum(axis=1), 1)  # (P, N), where on_free
+        prob2 = 1.0 / np.maximum(sum_jobs(on_free), 1)  # (P, N), where on_free
         both = prob1 + prob2 - prob1 * prob2
         m = rng.random(states.shape) < np.where(on_free, both[:, None, :], prob1[:, None, :])
         if self._sparse_draws:  # a new count only for the cells mutated
@@ -318,22 +329,22 @@ class PolluxPolicy:
         states[:, pinned] = self._pinned_rows[None]
         # running counts along jobs in int32: several times faster than numpy's default int64
         if self.interference_avoidance:
-            distributed = np.count_nonzero(states, axis=2) > 1
+            distributed = count_nodes(states) > 1
             mask = (states > 0) & distributed[:, :, None]
             if any_pinned:
                 taken = mask[:, pinned].any(axis=1)  # (P, N): nodes of pinned multi-node jobs
                 mask &= free[None, :, None]
-                drop = (np.cumsum(mask, axis=1, dtype=np.int32) > 1) | (mask & taken[:, None, :])
+                drop = (cumsum_jobs(mask) > 1) | (mask & taken[:, None, :])
                 drop[:, pinned] = False
             else:
-                drop = np.cumsum(mask, axis=1, dtype=np.int32) > 1
+                drop = cumsum_jobs(mask) > 1
             states[drop] = 0
         # Max replicas per job and max nodes per job, filling nodes in a random order.
         P, J, N = states.shape
         flat = states.reshape(-1, N)  # a view: rows are (candidate, job) pairs
         if self._sparse_draws:  # only the rows over a bound (the others are unchanged)
-            over = (states.sum(axis=2) > self._max_rep[None]).reshape(-1) | (
-                np.count_nonzero(flat, axis=1) > self.max_nodes_per_job
+            over = (sum_nodes(states) > self._max_rep[None]).reshape(-1) | (
+                count_nodes(states).reshape(-1) > self.max_nodes_per_job
             )
             rows = np.flatnonzero(over)
             if rows.size:
@@ -347,7 +358,7 @@ class PolluxPolicy:
             states[:, free] = _fill_in_order(states[:, free], left)
         else:  # no copy of the (all free) jobs' rows
             states = _fill_in_order(states, self._cap)
-        below = (states.sum(axis=2) < self._min_rep[None, :]) & free[None, :]
+        below = (sum_nodes(states) < self._min_rep[None, :]) & free[None, :]
         states[below] = 0
         return states.astype(_STATE_DTYPE, copy=False)
 
@@ -356,10 +367,8 @@ class PolluxPolicy:
         nodes, keeping nodes in a random order."""
         shuffle = np.argsort(self.rng.random(rows.shape), axis=1)
         st = np.take_along_axis(rows, shuffle, axis=1)
-        st = np.diff(np.minimum(np.cumsum(st, axis=1), max_rep[:, None]), axis=1, prepend=0)
-        keep = np.diff(
-            np.minimum(np.cumsum(st > 0, axis=1), self.max_nodes_per_job), axis=1, prepend=0
-        )
+        st = np.diff(np.minimum(cumsum_row(st), max_rep[:, None]), axis=1, prepend=0)
+        keep = np.diff(np.minimum(cumsum_row(st > 0), self.max_nodes_per_job), axis=1, prepend=0)
         st[keep == 0] = 0
         return np.take_along_axis(st, np.argsort(shuffle, axis=1), axis=1)
 
@@ -377,10 +386,9 @@ class PolluxPolicy:
 
     @staticmethod
     def _dedupe(pop: np.ndarray, off: np.ndarray) -> np.ndarray:
-        flat_pop = {row.tobytes() for row in pop.reshape(len(pop), -1)}
+        flat_pop = set(_row_bytes(pop))
         keep, seen = [], set()
-        for i, row in enumerate(off.reshape(len(off), -1)):
-            key = row.tobytes()
+        for i, key in enumerate(_row_bytes(off)):
             if key in flat_pop or key in seen:
                 continue
             seen.add(key)
