@@ -18,9 +18,10 @@ import numpy as np
 
 __all__ = ["count_nodes", "cumsum_jobs", "cumsum_row", "rows_differ", "sum_jobs", "sum_nodes"]
 
-# up to this many jobs a running sum over jobs is one batched product with a triangular
-# matrix; beyond it numpy's cumsum is faster (the product grows with J squared)
-_TRIANGLE_MAX_JOBS = 16
+# up to this length of the summed axis (jobs, or nodes along a row) a running sum is one
+# product with a triangular matrix; beyond it numpy's cumsum is faster (the product grows with
+# the length squared)
+_TRIANGLE_MAX = 16
 
 
 @functools.lru_cache(maxsize=64)
@@ -56,7 +57,7 @@ def sum_jobs(states: np.ndarray) -> np.ndarray:
 def cumsum_jobs(states: np.ndarray) -> np.ndarray:
     """``np.cumsum(states, axis=1, dtype=np.int32)``: running sums over jobs, in job order."""
     J = states.shape[1]
-    if states.size == 0 or J > _TRIANGLE_MAX_JOBS:
+    if states.size == 0 or J > _TRIANGLE_MAX:
         return np.cumsum(states, axis=1, dtype=np.int32)
     return (_lower_triangle(J) @ states.astype(np.float64)).astype(np.int32)
 
@@ -65,7 +66,7 @@ def cumsum_row(rows: np.ndarray) -> np.ndarray:
     """``np.cumsum(rows, axis=1)`` as int64 for a (rows, nodes) array of counts or booleans:
     running sums along each row."""
     k, N = rows.shape
-    if rows.size == 0 or N > _TRIANGLE_MAX_JOBS:
+    if rows.size == 0 or N > _TRIANGLE_MAX:
         return np.cumsum(rows, axis=1, dtype=np.int64)
     return (rows.astype(np.float64) @ _lower_triangle(N).T).astype(np.int64)
 
