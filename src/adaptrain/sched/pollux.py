@@ -327,7 +327,8 @@ class PolluxPolicy:
         pinned, free = self._pinned, ~self._pinned
         any_pinned = bool(pinned.any())
         states[:, pinned] = self._pinned_rows[None]
-        # running counts along jobs in int32: several times faster than numpy's default int64
+        # interference avoidance: on each node only the first multi-node job (in job order,
+        # by running counts over jobs) keeps its replicas
         if self.interference_avoidance:
             distributed = count_nodes(states) > 1
             mask = (states > 0) & distributed[:, :, None]
