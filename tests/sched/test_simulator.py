@@ -220,3 +220,33 @@ def test_optimus_step_time_model_packs_onto_the_cluster_s_node_size(real_data):
     assert job.step_time_fn(2)(4) != pytest.approx(job.step_time_fn(4)(4))
     with pytest.raises(ValueError, match="gpus_per_node=0"):
         job.step_time_fn(0)
+
+
+def test_model_memos_shared_across_jobs_and_simulations_change_nothing(real_data):
+    # Jobs of one model share the batch size they pick and their speedup table through memos
+    # kept across simulations (pure functions of the model, its batch limits and the table's
+    # size). A run gives the same JCTs and restarts with the memos empty and after another
+    # simulation, on another cluster, filled them.
+    from adaptrain.sched import simulator as sim_mod
+
+    apps = load_applications(os.path.join(real_data, "traces"))
+    w = load_workload(os.path.join(real_data, "workloads", "workload-6.csv"))[:16]
+
+    def run(workload, num_nodes):
+        policy = WaterfillPolicy(search="local")
+        return Simulator(workload, apps, policy, num_nodes=num_nodes).run(max_time=5400)
+
+    memos = (sim_mod._BSZ_CACHE, sim_mod._SPEEDUP_CACHE)
+    for memo in memos:
+        memo.clear()
+    first = run(w, 4)
+    used = [set(memo) for memo in memos]
+    for memo in memos:
+        memo.clear()
+    run(w[::2], 2)
+    # entries the replay looks up (as the first run did) and finds filled by the other run
+    shared = [used[i] & set(memo) for i, memo in enumerate(memos)]
+    assert all(shared), [len(s) for s in shared]
+    again = run(w, 4)
+    assert again.jcts == first.jcts and again.restarts == first.restarts
+    assert len(first.jcts) >= 4

@@ -60,6 +60,21 @@ __all__ = ["SimJob", "SimResult", "SimulationStalled", "Simulator", "job_kind_fo
 
 # profile (sorted items) -> fitted PerfParams, shared by all jobs and simulations
 _FIT_CACHE: dict[tuple, object] = {}
+# Pure functions of a job's goodput model and its application's batch limits, shared by all
+# jobs and simulations (jobs of one model often share fits, hence models): (model, limits,
+# nodes, replicas) -> the batch size a job picks, and (model, limits, table size) -> its
+# SpeedupFunction (whose memo of best goodputs then fills once for all those jobs).
+_BSZ_CACHE: dict[tuple, tuple[int, int]] = {}
+_SPEEDUP_CACHE: dict[tuple, SpeedupFunction] = {}
+_BSZ_CACHE_MAX = 200_000
+_SPEEDUP_CACHE_MAX = 256  # each holds a (nodes x replicas) memo table, ~130 kB in a simulation
+
+
+def _cache_put(cache: dict, key: tuple, value: object, limit: int) -> None:
+    """``cache[key] = value``, dropping the oldest entry when ``limit`` entries are held."""
+    if len(cache) >= limit:
+        del cache[next(iter(cache))]
+    cache[key] = value
 
 
 class SimulationStalled(RuntimeError):
@@ -181,21 +196,37 @@ class SimJob:
 
         return GoodputFunction(self.perf_params, self.grad_params, self.app.init_batch_size)
 
+    def _model_key(self) -> tuple:
+        """What the goodput model's answers depend on: its parameters and the batch limits."""
+        app = self.app
+        return (
+            tuple(self.perf_params),
+            tuple(self.grad_params),
+            app.init_batch_size,
+            app.max_batch_size,
+            app.min_local_bsz,
+            app.max_local_bsz,
+        )
+
     def speedup_fn(self):
         """Speedup over one GPU from the learned goodput model (``r`` before any profile)."""
         if self.perf_params is None:
             return LinearSpeedup()
         key = (tuple(self.perf_params), tuple(self.grad_params))
         if self._speedup_cache is None or self._speedup_cache[0] != key:
-            app = self.app
-            fn = SpeedupFunction(
-                self.goodput_fn(),
-                max_batch_size=app.max_batch_size,
-                atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
-                accumulation=True,
-                max_nodes=self.max_nodes,
-                max_replicas=self.max_replicas,
-            )
+            shared_key = (self._model_key(), self.max_nodes, self.max_replicas)
+            fn = _SPEEDUP_CACHE.get(shared_key)
+            if fn is None:
+                app = self.app
+                fn = SpeedupFunction(
+                    self.goodput_fn(),
+                    max_batch_size=app.max_batch_size,
+                    atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
+                    accumulation=True,
+                    max_nodes=self.max_nodes,
+                    max_replicas=self.max_replicas,
+                )
+                _cache_put(_SPEEDUP_CACHE, shared_key, fn, _SPEEDUP_CACHE_MAX)
             self._speedup_cache = (key, fn)
         return self._speedup_cache[1]
 
@@ -207,15 +238,20 @@ class SimJob:
         if batch_size is None and self.perf_params is None:
             batch_size = max(app.init_batch_size, app.min_local_bsz * num_replicas)
         if batch_size is None:
-            _, atomic, accum = self.goodput_fn().optimize(
-                num_nodes,
-                num_replicas,
-                max_batch_size=app.max_batch_size,
-                atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
-                accumulation=True,
-                round_past_max=True,  # the artifact's (AdaptDL's) rule, for fidelity
-            )
-            self.atomic_bsz, self.accum_steps = int(atomic), int(accum)
+            key = (self._model_key(), num_nodes, num_replicas)
+            best = _BSZ_CACHE.get(key)
+            if best is None:
+                _, atomic, accum = self.goodput_fn().optimize(
+                    num_nodes,
+                    num_replicas,
+                    max_batch_size=app.max_batch_size,
+                    atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
+                    accumulation=True,
+                    round_past_max=True,  # the artifact's (AdaptDL's) rule, for fidelity
+                )
+                best = (int(atomic), int(accum))
+                _cache_put(_BSZ_CACHE, key, best, _BSZ_CACHE_MAX)
+            self.atomic_bsz, self.accum_steps = best
         else:
             local_bsz = math.ceil(batch_size / num_replicas - 1e-8)
             self.accum_steps = math.ceil(local_bsz / app.max_local_bsz - 1e-8) - 1
