@@ -21,7 +21,10 @@ a new job waits for the next round, as in the artifact simulator.
 Adaptive jobs (no fixed batch size) learn their goodput model online exactly like AdaptDL: each
 newly observed (nodes, replicas, local batch) configuration is added to a profile to which
 ``fit_perf_params`` is refitted, and between epochs the batch size is re-optimised with
-``GoodputFunction.optimize``. JCT = completion time - submission time.
+``GoodputFunction.optimize``. JCT = completion time - submission time. The fit, the batch size
+a model picks and a model's speedup table are pure functions of their inputs, so they are
+memoised in the process, shared by all jobs and simulations (jobs of one model often share a
+profile, hence a model): the memos save time and change no result.
 
 Times: as in the artifact, the time to cross an epoch boundary is rounded to whole seconds when
 the round length, the job's clock and its restart delay are whole (the standard configuration:
