@@ -63,6 +63,7 @@ __all__ = ["SimJob", "SimResult", "SimulationStalled", "Simulator", "job_kind_fo
 
 # profile (sorted items) -> fitted PerfParams, shared by all jobs and simulations
 _FIT_CACHE: dict[tuple, object] = {}
+_FIT_CACHE_MAX = 200_000
 # Pure functions of a job's goodput model and its application's batch limits, shared by all
 # jobs and simulations (jobs of one model often share fits, hence models): (model, limits,
 # nodes, replicas) -> the batch size a job picks, and (model, limits, table size) -> its
@@ -187,7 +188,6 @@ class SimJob:
         self.epoch = 0
         self.attained_service = 0.0
         self.num_restarts: int | None = None
-        self._speedup_cache: tuple | None = None
 
     # ---- goodput model ----------------------------------------------------------------------
     @property
@@ -215,23 +215,20 @@ class SimJob:
         """Speedup over one GPU from the learned goodput model (``r`` before any profile)."""
         if self.perf_params is None:
             return LinearSpeedup()
-        key = (tuple(self.perf_params), tuple(self.grad_params))
-        if self._speedup_cache is None or self._speedup_cache[0] != key:
-            shared_key = (self._model_key(), self.max_nodes, self.max_replicas)
-            fn = _SPEEDUP_CACHE.get(shared_key)
-            if fn is None:
-                app = self.app
-                fn = SpeedupFunction(
-                    self.goodput_fn(),
-                    max_batch_size=app.max_batch_size,
-                    atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
-                    accumulation=True,
-                    max_nodes=self.max_nodes,
-                    max_replicas=self.max_replicas,
-                )
-                _cache_put(_SPEEDUP_CACHE, shared_key, fn, _SPEEDUP_CACHE_MAX)
-            self._speedup_cache = (key, fn)
-        return self._speedup_cache[1]
+        key = (self._model_key(), self.max_nodes, self.max_replicas)
+        fn = _SPEEDUP_CACHE.get(key)
+        if fn is None:
+            app = self.app
+            fn = SpeedupFunction(
+                self.goodput_fn(),
+                max_batch_size=app.max_batch_size,
+                atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
+                accumulation=True,
+                max_nodes=self.max_nodes,
+                max_replicas=self.max_replicas,
+            )
+            _cache_put(_SPEEDUP_CACHE, key, fn, _SPEEDUP_CACHE_MAX)
+        return fn
 
     def update_local_bsz(self, placement: Sequence[int]) -> None:
         app = self.app
@@ -290,9 +287,7 @@ class SimJob:
             step - sync,
             step,
         )
-        if len(_FIT_CACHE) > 200_000:
-            _FIT_CACHE.clear()
-        _FIT_CACHE[cache_key] = self.perf_params
+        _cache_put(_FIT_CACHE, cache_key, self.perf_params, _FIT_CACHE_MAX)
 
     # ---- dynamics ---------------------------------------------------------------------------
     def step(self, seconds: float, interference: float = 0.0) -> None:
