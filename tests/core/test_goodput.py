@@ -654,6 +654,55 @@ def test_fit_of_huge_and_tiny_times_does_not_crash(scale):
     assert all(math.isfinite(v) for v in fit) and 1.0 <= fit.gamma <= 10.0
 
 
+def test_fit_memo_takes_the_same_path_as_scipys_jac_true():
+    # _multi_start hands scipy a value and a gradient sharing one evaluation (keyed on the
+    # point's bytes) instead of jac=True (scipy's own memo, which compares arrays): the same
+    # iterates, evaluations and minimum, to the last bit, on the fit's real objective.
+    true = PerfParams(0.05, 0.002, 0.3, 0.02, 0.1, 0.005, 2.0)
+    nodes, replicas, bsz, t_accum, t_optim = _synthetic(true, FULL_CONFIGS[:6], [16, 64])
+    t_optim = t_optim * np.exp(RNG.normal(0, 0.05, t_optim.shape))
+    m = np.maximum(replicas - 2, 1e-8)
+    data = G._FitProblem(
+        bsz.astype(float),
+        m,
+        nodes > 1,
+        (nodes == 1) & (replicas > 1),
+        np.log(t_accum),
+        np.log(t_optim),
+    )
+    points = []
+
+    def fun(z, smooth=False):
+        points.append(z.tobytes())
+        theta = np.concatenate([np.exp(z[:6]), z[6:]])
+        f, g = G._objective(theta, data, smooth=smooth)
+        g[:6] *= theta[:6]
+        return f, g
+
+    z0 = np.concatenate([np.log(np.full(6, 0.05)), [1.5]])
+    bounds = [(-20.0, 5.0)] * 6 + [(1.0, 10.0)]
+    for smooth in (True, False):
+        points.clear()
+        ref = scipy.optimize.minimize(
+            fun,
+            z0,
+            args=(smooth,),
+            jac=True,
+            method="L-BFGS-B",
+            bounds=bounds,
+            options=G._LBFGSB_OPTIONS,
+        )
+        ref_points = list(points)
+        points.clear()
+        value, grad = G._memo(fun, smooth)
+        got = scipy.optimize.minimize(
+            value, z0, jac=grad, method="L-BFGS-B", bounds=bounds, options=G._LBFGSB_OPTIONS
+        )
+        assert ref.nit > 5 and points == ref_points  # one evaluation per point, in order
+        assert got.x.tobytes() == ref.x.tobytes() and got.fun == ref.fun
+        assert (got.nfev, got.nit) == (ref.nfev, ref.nit)
+
+
 def test_single_configuration_closed_form_only_where_exact():
     # One replica (no network term to absorb T_optim − T_accum), two configurations, or a
     # multi-node one: the search runs (the closed form returns None).
