@@ -11,5 +11,20 @@ import os
 
 from hypothesis import settings
 
+from adaptrain.dist.spawn import spawn
+
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+_fork_server_started = False
+
+
+def pytest_runtest_setup(item):
+    """Before the first test of a module that uses ``spawn``: start its fork server with
+    sklearn's datasets preloaded. Most spawned test functions load the bundled digits, and
+    importing sklearn took 1-2 s in every child; the server then serves the whole session."""
+    global _fork_server_started
+    if _fork_server_started or getattr(getattr(item, "module", None), "spawn", None) is not spawn:
+        return
+    _fork_server_started = True
+    assert spawn(max, 1, init=False, preload=["sklearn.datasets"]) == [1]  # max(rank, size)

@@ -85,3 +85,49 @@ def test_children_see_the_parent_environment_of_the_call(monkeypatch):
     assert spawn(_read_env, 1, timeout=60, init=False, env=extra) == [("second", "x")]
     monkeypatch.delenv("ADAPTRAIN_TEST_SPAWN_ENV")
     assert spawn(_read_env, 1, timeout=60, init=False) == [(None, None)]
+
+
+def test_preload_must_list_module_names():
+    with pytest.raises(TypeError, match=r"preload='sklearn.datasets' must be a sequence"):
+        spawn(_read_env, 1, init=False, preload="sklearn.datasets")
+
+
+_PROBE = """
+import sys
+
+
+def imported(rank, world_size, names):
+    return [name in sys.modules for name in names]
+"""
+
+_FIRST_CALL = """
+import probe
+from adaptrain.dist.spawn import spawn
+
+if __name__ == "__main__":
+    names = ["torch._dynamo", "mailbox", "netrc"]
+    print(spawn(probe.imported, 1, args=(names,), init=False, preload=["mailbox"]))
+    print(spawn(probe.imported, 1, args=(names,), init=False, preload=["netrc"]))
+"""
+
+
+def test_the_fork_server_imports_torch_dynamo_and_the_first_calls_preload(tmp_path):
+    # A fresh interpreter: this session's fork server was started long ago. The children
+    # find DDP's torch._dynamo and the first call's extra module imported before they run;
+    # a later call's extra module is not (the server, once started, serves every call).
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "probe.py").write_text(_PROBE)
+    (tmp_path / "first.py").write_text(_FIRST_CALL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "first.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split("\n")
+    assert out[:2] == ["[[True, True, False]]", "[[True, True, False]]"]
