@@ -104,10 +104,9 @@ _FIRST_CALL = """
 import probe
 from adaptrain.dist.spawn import spawn
 
-if __name__ == "__main__":
-    names = ["torch._dynamo", "mailbox", "netrc"]
-    print(spawn(probe.imported, 1, args=(names,), init=False, preload=["mailbox"]))
-    print(spawn(probe.imported, 1, args=(names,), init=False, preload=["netrc"]))
+names = ["torch._dynamo", "mailbox", "netrc"]
+print(spawn(probe.imported, 1, args=(names,), init=False, preload=["mailbox"]))
+print(spawn(probe.imported, 1, args=(names,), init=False, preload=["netrc"]))
 """
 
 
@@ -119,11 +118,10 @@ def test_the_fork_server_imports_torch_dynamo_and_the_first_calls_preload(tmp_pa
     import subprocess
     import sys
 
-    (tmp_path / "probe.py").write_text(_PROBE)
-    (tmp_path / "first.py").write_text(_FIRST_CALL)
+    (tmp_path / "probe.py").write_text(_PROBE)  # the children import their function from it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run(
-        [sys.executable, str(tmp_path / "first.py")],
+        [sys.executable, "-c", _FIRST_CALL],
         env=env,
         capture_output=True,
         text=True,
