@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -114,10 +118,6 @@ def test_the_fork_server_imports_torch_dynamo_and_the_first_calls_preload(tmp_pa
     # A fresh interpreter: this session's fork server was started long ago. The children
     # find DDP's torch._dynamo and the first call's extra module imported before they run;
     # a later call's extra module is not (the server, once started, serves every call).
-    import os
-    import subprocess
-    import sys
-
     (tmp_path / "probe.py").write_text(_PROBE)  # the children import their function from it
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     out = subprocess.run(
