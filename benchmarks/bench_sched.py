@@ -24,6 +24,11 @@ median and under every seed. The JSON rows (``--json``) carry the seed, or ``"me
 (each simulation is deterministic given its seed), but the wall times then include the
 contention: time the < 5 min target with ``--processes 1`` on an otherwise idle host.
 
+The wall times swing with the host's speed at the hour (the heaviest file took 170-346 s on the
+same code, ``benchmarks/results/sched.md``), so the header and the closing lines give a host
+probe: the time of 3 M pure-Python additions (median of 3), read before and after the runs, the
+yardstick for comparing wall times taken at different hours (0.21 s on this host at its fastest).
+
 Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
 beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
 same-run reference for what that exploration brings; ``waterfill-noramp`` likewise turns off the
@@ -105,6 +110,20 @@ VARIANTS = {
 }
 # the simulator's rule for new jobs: placed on arrival, or waiting for the next round
 ROUNDS_ONLY = {"pollux", "waterfill-rounds"}
+
+
+def host_probe(n: int = 3_000_000, reps: int = 3) -> float:
+    """Seconds for ``n`` pure-Python additions, the median of ``reps`` timings: the host's
+    speed at the hour, read beside the wall times (see the module docstring)."""
+    # module-level code (names in a dict, as under ``python -c``), the loop that sessions
+    # 32-41 of benchmarks/results/sched.md timed by hand, so the readings compare
+    code = compile(f"s = 0\nfor i in range({int(n)}):\n    s += i\n", "<host probe>", "exec")
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        exec(code, {})
+        times.append(time.perf_counter() - t0)
+    return float(statistics.median(times))
 
 
 def _policy(name: str, seed: int = 0):
@@ -203,6 +222,8 @@ def main() -> int:
         f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
         f"python {platform.python_version()}, {args.processes} simulation(s) at a time"
     )
+    probe_before = host_probe()
+    print(f"host probe: 3 M Python additions in {probe_before:.3f} s (median of 3)")
     print(
         f"{'workload':>10} {'load':>4} {'policy':>19} {'seed':>6} {'avg JCT s':>10} "
         f"{'stored s':>9} {'/stored':>8} {'/Pollux':>8} {'p99 s':>8} {'s/round':>9} {'wall s':>7}"
@@ -241,6 +262,11 @@ def main() -> int:
         if len(args.seed) > 1 and pol not in DETERMINISTIC:
             line += f", {len(d['every_seed'])} under every seed"
         print(line + (f"; over: {' '.join(d['over'])}" if d["over"] else ""))
+    probe_after = host_probe()
+    print(
+        f"host probe: {probe_before:.3f} s before the runs, {probe_after:.3f} s after "
+        "(3 M Python additions, median of 3)"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -68,6 +68,12 @@ def test_target_summary_separates_median_and_every_seed(bench):
     assert out["over"] == ["workload-3@1.0"]
 
 
+def test_host_probe_times_the_additions(bench):
+    """The probe's median grows with the work: 10 additions take less than 300 000."""
+    small, large = bench.host_probe(10, reps=3), bench.host_probe(300_000, reps=3)
+    assert 0.0 < small < large
+
+
 def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     """Two loads, two seeds of our policy, Tiresias once, on two processes: per-seed rows in
     task order, a median row per (file, stochastic policy), the summary, and the JSON."""
@@ -131,6 +137,8 @@ def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
         )
     text = proc.stdout
     assert "2 simulation(s) at a time" in text
+    probes = [line for line in text.splitlines() if line.startswith("host probe:")]
+    assert len(probes) == 2 and "before the runs" in probes[1] and "after" in probes[1]
     lines = text.splitlines()
     assert sum(" waterfill median " in line for line in lines) == 2
     assert "waterfill: <= 0.90 x stored Pollux on" in text and "of 2 file(s)" in text
