@@ -27,7 +27,8 @@ contention: time the < 5 min target with ``--processes 1`` on an otherwise idle 
 The wall times swing with the host's speed at the hour (the heaviest file took 167-346 s on the
 same code, ``benchmarks/results/sched.md``), so the header and the closing lines give a host
 probe: the time of 3 M pure-Python additions (median of 3), read before and after the runs, the
-yardstick for comparing wall times taken at different hours (0.21 s on this host at its fastest).
+yardstick for comparing wall times taken at different hours (about 0.2 s on this host at its
+fastest).
 
 Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
 beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
@@ -112,7 +113,11 @@ VARIANTS = {
 ROUNDS_ONLY = {"pollux", "waterfill-rounds"}
 
 
-def host_probe(n: int = 3_000_000, reps: int = 3) -> float:
+PROBE_ADDITIONS = 3_000_000  # the host probe's loop length (see host_probe)
+PROBE_LABEL = f"{PROBE_ADDITIONS / 1e6:g} M Python additions, median of 3"
+
+
+def host_probe(n: int = PROBE_ADDITIONS, reps: int = 3) -> float:
     """Seconds for ``n`` pure-Python additions, the median of ``reps`` timings: the host's
     speed at the hour, read beside the wall times (see the module docstring)."""
     # module-level code (names in a dict, as under ``python -c``), the loop that sessions
@@ -223,7 +228,7 @@ def main() -> int:
         f"python {platform.python_version()}, {args.processes} simulation(s) at a time"
     )
     probe_before = host_probe()
-    print(f"host probe: 3 M Python additions in {probe_before:.3f} s (median of 3)")
+    print(f"host probe: {probe_before:.3f} s ({PROBE_LABEL})")
     print(
         f"{'workload':>10} {'load':>4} {'policy':>19} {'seed':>6} {'avg JCT s':>10} "
         f"{'stored s':>9} {'/stored':>8} {'/Pollux':>8} {'p99 s':>8} {'s/round':>9} {'wall s':>7}"
@@ -265,7 +270,7 @@ def main() -> int:
     probe_after = host_probe()
     print(
         f"host probe: {probe_before:.3f} s before the runs, {probe_after:.3f} s after "
-        "(3 M Python additions, median of 3)"
+        f"({PROBE_LABEL})"
     )
     if args.json:
         with open(args.json, "w") as f:
