@@ -50,6 +50,16 @@ default, the same-run reference for session 31's change.
 after 10 or 25 generations in a row without a fitter candidate (``genetic_patience``, session
 32): less policy time, at a cost in JCT measured in ``benchmarks/results/sched.md``.
 
+Parameter screens: ``--set KEY=VALUE ...`` builds the ``waterfill`` policy as
+``WaterfillPolicy(KEY=VALUE, ..., seed=SEED)`` (values read as Python literals: numbers,
+``None``, ``True``; anything else as a string), every other parameter at its default. Its rows
+are labelled ``waterfill*`` and carry the settings in the JSON (``waterfill_kwargs``), so a
+screen of one parameter over seeds is one command, e.g. the session-37 row of
+``benchmarks/results/sched.md``:
+
+    python benchmarks/bench_sched.py --load 1.0 --workloads 3 --policies waterfill \
+        --seed 0 1 2 --processes 2 --set ramp_credit=2
+
 ``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
 at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
 
@@ -63,9 +73,11 @@ the first node with room). Tiresias and Optimus place jobs only at rounds.
 from __future__ import annotations
 
 import argparse
+import ast
 import concurrent.futures
 import contextlib
 import functools
+import inspect
 import json
 import os
 import platform
@@ -131,8 +143,42 @@ def host_probe(n: int = PROBE_ADDITIONS, reps: int = 3) -> float:
     return float(statistics.median(times))
 
 
-def _policy(name: str, seed: int = 0):
+def _policy(name: str, seed: int = 0, settings: dict | None = None):
+    if settings:  # a parameter screen (--set): only for waterfill
+        return WaterfillPolicy(**settings, seed=seed)
     return VARIANTS[name](seed) if name in VARIANTS else make_policy(name, seed)
+
+
+SETTABLE = tuple(p for p in inspect.signature(WaterfillPolicy).parameters if p != "seed")
+
+
+def parse_settings(items: list[str]) -> dict:
+    """``KEY=VALUE`` strings as ``WaterfillPolicy`` keyword arguments: each value a Python
+    literal (``2``, ``0.5``, ``None``, ``True``) or else the string as given. Raises
+    ``ValueError`` naming a malformed item, an unknown or repeated key, or a value the policy
+    rejects (it is built once here, so a bad screen fails before any simulation)."""
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. ramp_credit=2")
+        if key not in SETTABLE:
+            raise ValueError(
+                f"--set {item!r}: WaterfillPolicy has no parameter {key!r} (the seed comes "
+                f"from --seed); choose from {', '.join(SETTABLE)}"
+            )
+        if key in out:
+            raise ValueError(f"--set {item!r}: {key} is set twice")
+        try:
+            out[key] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            out[key] = raw.strip()
+    try:
+        WaterfillPolicy(**out)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"--set {' '.join(items)}: {e}") from None
+    return out
 
 
 # policies without random choices: one run stands for every seed
@@ -149,7 +195,7 @@ def median_row(rows: list[dict]) -> dict:
     avg = float(statistics.median(r["avg_jct"] for r in rows))
     first = rows[0]
     ref, pollux = first["stored_same_policy"], first["stored_pollux"]
-    return {
+    out = {
         "workload": first["workload"],
         "load": first["load"],
         "policy": first["policy"],
@@ -165,6 +211,9 @@ def median_row(rows: list[dict]) -> dict:
         "policy_s_per_round": max(r["policy_s_per_round"] for r in rows),
         "wall_s": sum(r["wall_s"] for r in rows),
     }
+    if "waterfill_kwargs" in first:  # a parameter screen's settings (--set)
+        out["waterfill_kwargs"] = first["waterfill_kwargs"]
+    return out
 
 
 def target_summary(rows: list[dict], target: float = TARGET) -> dict[str, dict[str, list[str]]]:
@@ -218,15 +267,32 @@ def main() -> int:
         default=1,
         help="simulations run side by side (default 1); wall times then include the contention",
     )
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="WaterfillPolicy parameters for the waterfill policy (a parameter screen); its "
+        "rows are labelled waterfill*",
+    )
     args = parser.parse_args()
     if not args.traces:
         parser.error("no traces found; pass --traces DIR")
     if args.processes < 1:
         parser.error(f"--processes {args.processes} must be >= 1")
+    try:
+        settings = parse_settings(args.set)
+    except ValueError as e:
+        parser.error(str(e))
+    if settings and "waterfill" not in args.policies:
+        parser.error("--set configures the waterfill policy: add waterfill to --policies")
     print(
         f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
         f"python {platform.python_version()}, {args.processes} simulation(s) at a time"
     )
+    if settings:
+        given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
+        print(f"waterfill*: WaterfillPolicy({given}), the other parameters at their defaults")
     probe_before = host_probe()
     print(f"host probe: {probe_before:.3f} s ({PROBE_LABEL})")
     print(
@@ -235,7 +301,7 @@ def main() -> int:
     )
     groups = [
         [
-            (args.traces, load, wl, pol, seed)
+            (args.traces, load, wl, pol, seed, settings if pol == "waterfill" else {})
             for seed in (args.seed[:1] if pol in DETERMINISTIC else args.seed)
         ]
         for load in args.load
@@ -297,8 +363,9 @@ def _applications(traces: str) -> dict:
 
 
 def _run(task: tuple) -> dict:
-    """One simulation, ``task = (traces, load, workload number, policy, seed)``: its row."""
-    traces, load, wl, pol, seed = task
+    """One simulation, ``task = (traces, load, workload number, policy, seed, settings)``
+    (``settings``: :func:`parse_settings`'s keyword arguments, or empty): its row."""
+    traces, load, wl, pol, seed, settings = task
     data_dir = os.path.dirname(os.path.normpath(traces))
     wdir = "workloads" if load == "1.0" else f"workloads-{load}"
     name = f"workload-{wl}"
@@ -307,17 +374,18 @@ def _run(task: tuple) -> dict:
     res = Simulator(
         workload,
         _applications(traces),
-        _policy(pol, seed),
+        _policy(pol, seed, settings),
         arrival_allocation=pol not in ROUNDS_ONLY,
     ).run()
     wall = time.perf_counter() - t0
     s = res.summary()
-    ref = stored_avg(data_dir, pol, load, name)
+    label = f"{pol}*" if settings else pol
+    ref = stored_avg(data_dir, label, load, name)
     pollux = stored_avg(data_dir, "pollux", load, name)
-    return {
+    row = {
         "workload": name,
         "load": load,
-        "policy": pol,
+        "policy": label,
         "seed": seed,
         "avg_jct": s["avg_jct"],
         "stored_same_policy": ref,
@@ -328,6 +396,9 @@ def _run(task: tuple) -> dict:
         "policy_s_per_round": s["policy_s_per_round"],
         "wall_s": wall,
     }
+    if settings:
+        row["waterfill_kwargs"] = dict(settings)
+    return row
 
 
 if __name__ == "__main__":

@@ -172,3 +172,70 @@ def test_diag_models_runs_every_mode_with_arrivals(tmp_path, tiny_app_writer):
     lines = [line for line in proc.stdout.splitlines() if "workload-9" in line]
     assert [line.split()[3] for line in lines] == ["learned", "full", "full-nocap"]
     assert all("/ stored Pollux" in line and "(toy " in line for line in lines)
+
+
+def test_parse_settings_reads_literals_and_names_errors(bench):
+    """``--set KEY=VALUE``: Python literals, else strings; a malformed item, an unknown,
+    repeated or unsettable key and a value the policy rejects each raise ``ValueError``."""
+    got = bench.parse_settings(
+        ["ramp_credit=2", "future_gamma=0.7", "explore_beta=None", "search=local",
+         "payback_remaining=False"]
+    )  # fmt: skip
+    assert got == {
+        "ramp_credit": 2,
+        "future_gamma": 0.7,
+        "explore_beta": None,
+        "search": "local",
+        "payback_remaining": False,
+    }
+    assert bench.parse_settings([]) == {}
+    for items, match in [
+        (["ramp_credit"], "expected KEY=VALUE"),
+        (["=2"], "expected KEY=VALUE"),
+        (["foo=1"], "no parameter 'foo'"),
+        (["seed=3"], "seed comes from --seed"),
+        (["ramp_credit=1", "ramp_credit=2"], "set twice"),
+        (["ramp_credit=-1"], "ramp_credit=-1 must be >= 0"),
+        (["search=nope"], "must be 'genetic' or 'local'"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            bench.parse_settings(items)
+
+
+def test_set_builds_the_screened_policy_and_labels_its_rows(bench, tmp_path, tiny_app_writer):
+    """A screen's settings reach ``WaterfillPolicy``; its rows (and their median) are labelled
+    ``waterfill*`` and carry the settings; without settings the CLI's policy is built."""
+    pol = bench._policy("waterfill", 4, {"ramp_credit": None, "generations": 7})
+    assert pol.ramp_credit is None and pol._runs[0].generations == 7
+    seeded = bench.WaterfillPolicy(seed=4)._runs[0].rng.bit_generator.state
+    assert pol._runs[0].rng.bit_generator.state == seeded  # the seed from --seed
+    default = bench._policy("waterfill", 4)
+    assert default.ramp_credit == 1.0 and default._runs[0].generations == 50
+    data = tmp_path / "pollux"
+    traces = data / "traces"
+    traces.mkdir(parents=True)
+    tiny_app_writer(traces)
+    (data / "workloads").mkdir()
+    with open(data / "workloads" / "workload-9.csv", "w") as f:
+        f.write("name,time,application,num_replicas,batch_size\na,0,toy,1,8\nb,53,toy,4,16\n")
+    res = data / "results-jobload" / "pollux-1.0"
+    res.mkdir(parents=True)
+    (res / "summary.json").write_text(json.dumps({"avgs": {"workload-9": 400.0}}))
+    settings = {"search": "local"}
+    rows = [bench._run((str(traces), "1.0", "9", "waterfill", s, settings)) for s in (0, 1)]
+    for row in rows:
+        assert row["policy"] == "waterfill*" and row["waterfill_kwargs"] == settings
+        assert row["ratio_to_stored_pollux"] == pytest.approx(row["avg_jct"] / 400.0)
+    assert bench.median_row(rows)["waterfill_kwargs"] == settings
+    plain = bench._run((str(traces), "1.0", "9", "waterfill", 0, {}))
+    assert plain["policy"] == "waterfill" and "waterfill_kwargs" not in plain
+
+
+def test_set_needs_the_waterfill_policy():
+    proc = subprocess.run(
+        [sys.executable, BENCH, "--policies", "pollux", "--set", "ramp_credit=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "add waterfill to --policies" in proc.stderr
