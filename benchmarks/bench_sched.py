@@ -24,11 +24,11 @@ median and under every seed. The JSON rows (``--json``) carry the seed, or ``"me
 (each simulation is deterministic given its seed), but the wall times then include the
 contention: time the < 5 min target with ``--processes 1`` on an otherwise idle host.
 
-The wall times swing with the host's speed at the hour (the heaviest file took 163-283 s alone on
-the code since session 35, ``benchmarks/results/sched.md``), so the header and the closing lines give a host
-probe: the time of 3 M pure-Python additions (median of 3), read before and after the runs, the
-yardstick for comparing wall times taken at different hours (about 0.2 s on this host at its
-fastest).
+The wall times swing with the host's speed at the hour (the heaviest file took 163-283 s alone
+on the code since session 35, ``benchmarks/results/sched.md``), so the header and the closing
+lines give a host probe: the time of 3 M pure-Python additions (median of 3), read before and
+after the runs, the yardstick for comparing wall times taken at different hours (about 0.2 s on
+this host at its fastest).
 
 Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
 beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
@@ -144,7 +144,9 @@ def host_probe(n: int = PROBE_ADDITIONS, reps: int = 3) -> float:
 
 
 def _policy(name: str, seed: int = 0, settings: dict | None = None):
-    if settings:  # a parameter screen (--set): only for waterfill
+    if settings:  # a parameter screen (--set), the other parameters at their defaults
+        if name != "waterfill":
+            raise ValueError(f"--set configures the waterfill policy, not {name!r}")
         return WaterfillPolicy(**settings, seed=seed)
     return VARIANTS[name](seed) if name in VARIANTS else make_policy(name, seed)
 

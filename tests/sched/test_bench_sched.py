@@ -229,6 +229,11 @@ def test_set_builds_the_screened_policy_and_labels_its_rows(bench, tmp_path, tin
     assert bench.median_row(rows)["waterfill_kwargs"] == settings
     plain = bench._run((str(traces), "1.0", "9", "waterfill", 0, {}))
     assert plain["policy"] == "waterfill" and "waterfill_kwargs" not in plain
+    # a screen at the default values is the plain policy: the same simulation, to the bit
+    same = bench._run((str(traces), "1.0", "9", "waterfill", 0, {"ramp_credit": 1.0}))
+    assert same["policy"] == "waterfill*" and same["avg_jct"] == plain["avg_jct"]
+    with pytest.raises(ValueError, match="not 'pollux'"):
+        bench._policy("pollux", 0, {"ramp_credit": 2})
 
 
 def test_set_needs_the_waterfill_policy():
