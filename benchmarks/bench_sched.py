@@ -382,7 +382,7 @@ def _run(task: tuple) -> dict:
     wall = time.perf_counter() - t0
     s = res.summary()
     label = f"{pol}*" if settings else pol
-    ref = stored_avg(data_dir, label, load, name)
+    ref = None if settings else stored_avg(data_dir, pol, load, name)  # a screen has none
     pollux = stored_avg(data_dir, "pollux", load, name)
     row = {
         "workload": name,

@@ -39,6 +39,26 @@ def _row(seed, avg, pollux=1000.0, spr=0.1, wall=10.0):
     }
 
 
+def _artifact_data(tmp_path, tiny_app_writer, rows, summary, loads=("1.0",)):
+    """A tiny data folder laid out as the artifact's (``traces/``, ``workloads*/workload-9.csv``
+    with ``rows``, ``results-jobload/pollux-<load>/summary.json`` holding ``summary``): the
+    ``traces`` path, as the benchmarks take it."""
+    data = tmp_path / "pollux"
+    traces = data / "traces"
+    traces.mkdir(parents=True)
+    tiny_app_writer(traces)
+    for load in loads:
+        wdir = data / ("workloads" if load == "1.0" else f"workloads-{load}")
+        wdir.mkdir()
+        with open(wdir / "workload-9.csv", "w") as f:
+            f.write("name,time,application,num_replicas,batch_size\n")
+            f.writelines(",".join(map(str, r)) + "\n" for r in rows)
+        res = data / "results-jobload" / f"pollux-{load}"
+        res.mkdir(parents=True)
+        (res / "summary.json").write_text(json.dumps(summary))
+    return traces
+
+
 def test_median_row_takes_the_middle_seed(bench):
     rows = [_row(0, 912.0, spr=0.07), _row(1, 896.0, spr=0.09), _row(2, 900.0, spr=0.08)]
     med = bench.median_row(rows)
@@ -77,20 +97,9 @@ def test_host_probe_times_the_additions(bench):
 def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     """Two loads, two seeds of our policy, Tiresias once, on two processes: per-seed rows in
     task order, a median row per (file, stochastic policy), the summary, and the JSON."""
-    data = tmp_path / "pollux"
-    traces = data / "traces"
-    traces.mkdir(parents=True)
-    tiny_app_writer(traces)
     rows = [("a", 0, "toy", 1, 8), ("b", 53, "toy", 4, 16), ("c", 130, "toy", 2, 8)]
-    for load in ("0.5", "1.0"):
-        wdir = data / ("workloads" if load == "1.0" else f"workloads-{load}")
-        wdir.mkdir()
-        with open(wdir / "workload-9.csv", "w") as f:
-            f.write("name,time,application,num_replicas,batch_size\n")
-            f.writelines(",".join(map(str, r)) + "\n" for r in rows)
-        res = data / "results-jobload" / f"pollux-{load}"
-        res.mkdir(parents=True)
-        (res / "summary.json").write_text(json.dumps({"avgs": {"workload-9": 400.0}}))
+    summary = {"avgs": {"workload-9": 400.0}}
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, summary, loads=("0.5", "1.0"))
     out_json = tmp_path / "rows.json"
     cmd = [
         sys.executable,
@@ -152,20 +161,9 @@ def test_diag_models_runs_every_mode_with_arrivals(tmp_path, tiny_app_writer):
     rounds (the simulator then asks for a job's view at the arrival time): one line per mode,
     with the ratio to the stored per-job JCTs."""
     diag = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
-    data = tmp_path / "pollux"
-    traces = data / "traces"
-    traces.mkdir(parents=True)
-    tiny_app_writer(traces)
-    wdir = data / "workloads"
-    wdir.mkdir()
     rows = [("toy-0", 0, "toy", 1, 8), ("toy-1", 53, "toy", 4, 16), ("toy-2", 130, "toy", 2, 8)]
-    with open(wdir / "workload-9.csv", "w") as f:
-        f.write("name,time,application,num_replicas,batch_size\n")
-        f.writelines(",".join(map(str, r)) + "\n" for r in rows)
-    res = data / "results-jobload" / "pollux-1.0"
-    res.mkdir(parents=True)
     stored = {"jcts": {"workload-9": {"toy-0": 400.0, "toy-1": 400.0, "toy-2": 400.0}}}
-    (res / "summary.json").write_text(json.dumps(stored))
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, stored)
     cmd = [sys.executable, diag, "--traces", str(traces), "--workloads", "9"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
@@ -211,16 +209,8 @@ def test_set_builds_the_screened_policy_and_labels_its_rows(bench, tmp_path, tin
     assert pol._runs[0].rng.bit_generator.state == seeded  # the seed from --seed
     default = bench._policy("waterfill", 4)
     assert default.ramp_credit == 1.0 and default._runs[0].generations == 50
-    data = tmp_path / "pollux"
-    traces = data / "traces"
-    traces.mkdir(parents=True)
-    tiny_app_writer(traces)
-    (data / "workloads").mkdir()
-    with open(data / "workloads" / "workload-9.csv", "w") as f:
-        f.write("name,time,application,num_replicas,batch_size\na,0,toy,1,8\nb,53,toy,4,16\n")
-    res = data / "results-jobload" / "pollux-1.0"
-    res.mkdir(parents=True)
-    (res / "summary.json").write_text(json.dumps({"avgs": {"workload-9": 400.0}}))
+    rows = [("a", 0, "toy", 1, 8), ("b", 53, "toy", 4, 16)]
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, {"avgs": {"workload-9": 400.0}})
     settings = {"search": "local"}
     rows = [bench._run((str(traces), "1.0", "9", "waterfill", s, settings)) for s in (0, 1)]
     for row in rows:
