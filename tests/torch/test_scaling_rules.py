@@ -53,6 +53,18 @@ def test_golden_factors(rule, scale, expected):
     assert _bind(rule, _Owner(sqr=1.0, var=4.0)).scale_lr(scale) == pytest.approx(expected, 1e-12)
 
 
+def test_adamscale_power_as_in_adaptdl():
+    # AdaptDL's AdamScale.scale_lr(scale, power=0.5): r ** power, r the AdaScale gain (2.5 here)
+    rule = _bind(AdamScale(), _Owner(sqr=1.0, var=4.0))
+    assert rule.scale_lr(4.0, power=0.5) == rule.scale_lr(4.0)
+    assert rule.scale_lr(4.0, power=1.0) == pytest.approx(2.5, 1e-12)
+    assert rule.scale_lr(4.0, power=0.25) == pytest.approx(2.5**0.25, 1e-12)
+    assert rule.scale_lr(4.0, power=0.0) == 1.0
+    for bad in (-0.5, math.nan, math.inf):
+        with pytest.raises(ValueError, match="power="):
+            rule.scale_lr(4.0, power=bad)
+
+
 def test_adascale_is_linear_when_noise_dominates_and_one_without_noise():
     assert _bind(AdaScale(), _Owner(sqr=0.0, var=1.0)).scale_lr(8.0) == pytest.approx(8.0)
     assert _bind(AdaScale(), _Owner(sqr=1.0, var=0.0)).scale_lr(8.0) == pytest.approx(1.0)

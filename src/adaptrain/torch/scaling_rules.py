@@ -256,13 +256,20 @@ class AdaScale(ScalingRuleBase):
 
 
 class AdamScale(AdaScale):
-    """Square-root AdaScale ``lr · sqrt(r)`` for Adam, AdamW and RMSprop (AdaptDL's variant)."""
+    """Square-root AdaScale ``lr · r ** power`` (``power`` 0.5: ``sqrt(r)``) for Adam, AdamW and
+    RMSprop (AdaptDL's variant, with its ``power`` argument)."""
 
-    def scale_lr(self, scale: float) -> float:
+    def scale_lr(self, scale: float, power: float = 0.5) -> float:
+        if not (math.isfinite(power) and power >= 0):
+            raise ValueError(
+                f"power={power} must be finite and >= 0 (0.5: square-root AdaScale, 1: AdaScale)"
+            )
         if scale == 1.0:
             return 1.0
         sqr, var, progress = self._stats()
-        return _scaling.sqrt_adascale_factor(scale, sqr, var, progress)
+        if power == 0.5:
+            return _scaling.sqrt_adascale_factor(scale, sqr, var, progress)
+        return _scaling.adascale_factor(scale, sqr, var, progress) ** power
 
 
 class LinearScale(ScalingRuleBase):
