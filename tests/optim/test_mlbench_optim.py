@@ -17,7 +17,7 @@ from adaptrain.optim._centralized import (
     GenericCentralizedOptimizer,
 )
 from adaptrain.optim._decentralized import DecentralizedSGD, ring_neighbors
-from adaptrain.optim._fp16 import FP16Optimizer
+from adaptrain.optim._fp16 import DynamicLossScaler, FP16Optimizer
 from adaptrain.optim._powersgd import PowerSGD
 from adaptrain.optim._sign import SignSGD
 from adaptrain.optim._sparsified import CentralizedSparsifiedSGD, SparsifiedSGD
@@ -582,6 +582,48 @@ def test_fp16_leaves_a_parameter_without_gradient_as_torch_optim_does(make_opt):
     # step 4, not 1 (documented), so only SGD matches torch.optim on head 1 too.
     end = start + 27 if make_opt is _sgd_momentum_wd else start
     assert_close(opt.fp32_params.detach()[:end], flat_ref[:end], rtol=2e-2, atol=2e-3)
+
+
+def test_dynamic_loss_scaler_follows_mlbench_rule_and_replays():
+    """mlbench's rule: halve on overflow; double on the ``scale_window``-th step (counting
+    overflow steps) since the last overflow; ``max_scale`` caps it. Ours counts clean steps
+    since the last change, the same trajectory."""
+    from adaptrain.optim import DynamicLossScaler as Exported
+
+    assert Exported is DynamicLossScaler
+
+    def reference(flags, init, factor, window, max_scale):  # mlbench-core's update_scale
+        scale, it, last, out = init, 0, -1, []
+        for overflow in flags:
+            if overflow:
+                scale, last = scale / factor, it
+            elif (it - last) % window == 0:
+                scale = scale * factor if max_scale is None else min(scale * factor, max_scale)
+            it += 1
+            out.append(scale)
+        return out
+
+    gen = torch.Generator().manual_seed(0)
+    flags = (torch.rand(200, generator=gen) < 0.08).tolist()
+    for max_scale in (None, 2.0**16):
+        ours = DynamicLossScaler(2.0**15, 2.0, 5, max_scale)
+        got = []
+        for i, overflow in enumerate(flags):
+            ours.update_scale(overflow)
+            got.append(ours.loss_scale)
+            if i == 99:  # save -> load -> replay the rest
+                twin = DynamicLossScaler(2.0**15, 2.0, 5, max_scale)
+                twin.load_state_dict(copy.deepcopy(ours.state_dict()))
+        replay = []
+        for overflow in flags[100:]:
+            twin.update_scale(overflow)
+            replay.append(twin.loss_scale)
+        assert got == reference(flags, 2.0**15, 2.0, 5, max_scale)
+        assert replay == got[100:]
+    assert DynamicLossScaler.has_overflow(float("inf")) and DynamicLossScaler.has_overflow(
+        float("nan")
+    )
+    assert not DynamicLossScaler.has_overflow(torch.tensor(3.0))
 
 
 def test_fp16_min_scale_raises():

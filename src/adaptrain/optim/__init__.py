@@ -11,7 +11,7 @@ from adaptrain.optim._centralized import (
     GenericCentralizedOptimizer,
 )
 from adaptrain.optim._decentralized import DecentralizedSGD
-from adaptrain.optim._fp16 import FP16Optimizer
+from adaptrain.optim._fp16 import DynamicLossScaler, FP16Optimizer
 from adaptrain.optim._powersgd import PowerSGD
 from adaptrain.optim._sign import SignSGD
 from adaptrain.optim._sparsified import CentralizedSparsifiedSGD, SparsifiedSGD
@@ -25,6 +25,7 @@ __all__ = [
     "CentralizedSparsifiedSGD",
     "CustomCentralizedOptimizer",
     "DecentralizedSGD",
+    "DynamicLossScaler",
     "FP16Optimizer",
     "GenericCentralizedOptimizer",
     "PowerSGD",
