@@ -1,7 +1,7 @@
 """Diagnostic: how much of our policy's gap to the target comes from learned goodput models?
 
     python benchmarks/diag_sched_models.py --workloads 3 [--modes learned full full-nocap]
-                                           [--load 1.0] [--isolated]
+                                           [--load 1.0] [--seed 0] [--isolated]
 
 Replays a workload under our default policy with three views of each job:
 
@@ -17,6 +17,17 @@ Gradient statistics (the statistical efficiency) are the job's current ones in a
 ``full`` and ``full-nocap`` use knowledge no policy has, so they are bounds for what better
 models or faster exploration could bring, not results. Prints avg JCT / the stored Pollux
 figure and the same ratio per application.
+
+Two more modes (not run by default) ask what the 30 s restarts cost, with the learned models:
+
+* ``restart-free``: a running job's restarts cost nothing (a start-up still under way goes on),
+  while its first placement still waits the restart delay;
+* ``no-delay``: nothing waits (``Simulator(restart_delay=0)``).
+
+In both the policy still prices a restart at 30 s, so it makes the default's decisions until
+the first restart whose cost differs; the difference to ``learned`` is what the restarts cost
+the file, not what a policy for cheaper restarts would reach. ``--seed`` seeds the policy's
+genetic search (default 0).
 
 With ``--isolated`` every job is simulated *alone* on the 64-GPU cluster (submitted at the same
 offset into its 60 s round, so the wait for its first round is the same): the mean of these JCTs
@@ -40,7 +51,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from adaptrain.core.goodput import GoodputFunction, fit_perf_params  # noqa: E402
 from adaptrain.sched import WaterfillPolicy  # noqa: E402
-from adaptrain.sched.simulator import Simulator  # noqa: E402
+from adaptrain.sched.simulator import SimJob, Simulator  # noqa: E402
 from adaptrain.sched.speedup import SpeedupFunction  # noqa: E402
 from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
 
@@ -73,6 +84,26 @@ class FullModelSimulator(Simulator):
         return info
 
 
+class _FreeRestartJob(SimJob):
+    """A simulated job whose restarts cost nothing: only its first placement waits the restart
+    delay (a start-up still under way when it is resized goes on)."""
+
+    def reallocate(self, placement) -> None:
+        first, pending = self.num_restarts is None, self.rescale_time
+        super().reallocate(placement)
+        if placement and not first:
+            self.rescale_time = pending
+
+
+class FreeRestartSimulator(Simulator):
+    """The simulator with every job's restarts free (see ``restart-free`` above)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        for job in self.jobs:
+            job.__class__ = _FreeRestartJob
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["3"])
@@ -80,13 +111,14 @@ def main() -> int:
         "--modes",
         nargs="+",
         default=["learned", "full", "full-nocap"],
-        choices=["learned", "full", "full-nocap"],
+        choices=["learned", "full", "full-nocap", "restart-free", "no-delay"],
     )
     parser.add_argument("--load", default="1.0", choices=["0.5", "1.0", "1.5", "2.0"])
     parser.add_argument(
         "--isolated", action="store_true", help="simulate every job alone on the cluster"
     )
     parser.add_argument("--traces", default=default_traces_dir())
+    parser.add_argument("--seed", type=int, default=0, help="seed of the policy's genetic search")
     args = parser.parse_args()
     if not args.traces:
         parser.error("no traces found; pass --traces DIR")
@@ -108,10 +140,15 @@ def main() -> int:
     wdir = "workloads" if args.load == "1.0" else f"workloads-{args.load}"
 
     def simulate(workload, mode):
+        policy = WaterfillPolicy(seed=args.seed)
         if mode == "learned":
-            return Simulator(workload, apps, WaterfillPolicy()).run()
+            return Simulator(workload, apps, policy).run()
+        if mode == "restart-free":
+            return FreeRestartSimulator(workload, apps, policy).run()
+        if mode == "no-delay":
+            return Simulator(workload, apps, policy, restart_delay=0.0).run()
         return FullModelSimulator(
-            workload, apps, WaterfillPolicy(), full_params=full, cap=mode == "full"
+            workload, apps, policy, full_params=full, cap=mode == "full"
         ).run()
 
     for wl in args.workloads:

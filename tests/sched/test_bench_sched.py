@@ -172,6 +172,46 @@ def test_diag_models_runs_every_mode_with_arrivals(tmp_path, tiny_app_writer):
     assert all("/ stored Pollux" in line and "(toy " in line for line in lines)
 
 
+def test_diag_models_restart_free_modes(tmp_path, tiny_app_writer, tiny_traces):
+    """The restart modes of benchmarks/diag_sched_models.py: a job's first placement waits
+    the restart delay, a restart then waits nothing (a start-up under way goes on); both modes
+    run end to end, with a seed."""
+    diag = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
+    spec = importlib.util.spec_from_file_location("diag_sched_models", diag)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from adaptrain.sched.traces import load_applications
+
+    app = load_applications(tiny_traces)["toy"]
+    job = mod.SimJob("toy-0", app, 0.0, adaptive=True, restart_delay=30.0)
+    job.__class__ = mod._FreeRestartJob
+    job.reallocate([1])  # the first placement: the start-up
+    assert job.rescale_time == 30.0 and job.num_restarts == 0
+    job.step(10.0)
+    job.reallocate([2])  # resized during its start-up: the 20 s left go on, nothing added
+    assert job.rescale_time == pytest.approx(20.0) and job.num_restarts == 1
+    job.step(60.0)
+    job.reallocate([1])  # a restart: free
+    assert job.rescale_time == 0.0 and job.num_restarts == 2
+    plain = mod.SimJob("toy-1", app, 0.0, adaptive=True, restart_delay=30.0)
+    plain.reallocate([1])
+    plain.step(60.0)
+    plain.reallocate([2])
+    assert plain.rescale_time == 30.0  # the simulator's own rule, for contrast
+
+    rows = [("toy-0", 0, "toy", 1, 8), ("toy-1", 53, "toy", 4, 16), ("toy-2", 130, "toy", 2, 8)]
+    stored = {"jcts": {"workload-9": {"toy-0": 400.0, "toy-1": 400.0, "toy-2": 400.0}}}
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, stored)
+    cmd = [sys.executable, diag, "--traces", str(traces), "--workloads", "9", "--seed", "1",
+           "--modes", "learned", "restart-free", "no-delay"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "workload-9" in line]
+    assert [line.split()[3] for line in lines] == ["learned", "restart-free", "no-delay"]
+    jct = [float(line.split("avg JCT")[1].split()[0]) for line in lines]
+    assert jct[2] < jct[0]  # with nothing to wait, every job ends sooner on this trace
+
+
 def test_parse_settings_reads_literals_and_names_errors(bench):
     """``--set KEY=VALUE``: Python literals, else strings; a malformed item, an unknown,
     repeated or unsettable key and a value the policy rejects each raise ``ValueError``."""
