@@ -24,7 +24,7 @@ median and under every seed. The JSON rows (``--json``) carry the seed, or ``"me
 (each simulation is deterministic given its seed), but the wall times then include the
 contention: time the < 5 min target with ``--processes 1`` on an otherwise idle host.
 
-The wall times swing with the host's speed at the hour (the heaviest file took 163-283 s alone
+The wall times swing with the host's speed at the hour (the heaviest file took 162-283 s alone
 on the code since session 35, ``benchmarks/results/sched.md``), so the header and the closing
 lines give a host probe: the time of 3 M pure-Python additions (median of 3), read before and
 after the runs, the yardstick for comparing wall times taken at different hours (about 0.2 s on
