@@ -720,6 +720,40 @@ def test_add_param_group_and_per_group_gains():
     assert opt.gain(1) != 1.0 and 1.0 <= opt.gain() <= 2.0
 
 
+def test_argument_names_of_fairscale_and_torch():
+    """fairscale documents ``add_param_group(pg)`` and ``load_state_dict(data)``, torch names
+    them ``param_group`` and ``state_dict``: each name works by keyword, and by position; none
+    or both raise a ``TypeError``."""
+    base = make_model()
+    opt = AdaScale(torch.optim.SGD(base.parameters(), lr=0.1), num_gradients_to_accumulate=2)
+    train(base, opt, 2, 2)
+    for i, call in enumerate(
+        [
+            lambda g: opt.add_param_group(pg=g),
+            lambda g: opt.add_param_group(param_group=g),
+            lambda g: opt.add_param_group(g),
+        ]
+    ):
+        call({"params": torch.nn.Linear(3, 3).parameters(), "lr": 0.01})
+        assert len(opt.param_groups) == 2 + i and opt._state["grad_sqr_avg"].numel() == 2 + i
+    saved = copy.deepcopy(opt.state_dict())
+    for call in (
+        lambda: opt.load_state_dict(data=saved),
+        lambda: opt.load_state_dict(state_dict=saved),
+        lambda: opt.load_state_dict(saved),
+    ):
+        opt.param_groups[0]["lr"] = 0.5
+        call()
+        assert opt.param_groups[0]["lr"] == 0.1
+        torch.testing.assert_close(
+            opt._state["grad_sqr_avg"], saved["state"]["adascale"]["grad_sqr_avg"]
+        )
+    with pytest.raises(TypeError, match="'pg' or 'param_group'"):
+        opt.add_param_group()
+    with pytest.raises(TypeError, match="'data' or 'state_dict'; got 2"):
+        opt.load_state_dict(saved, state_dict=saved)
+
+
 def test_closure_equals_explicit_loop():
     m1, m2 = make_model(), make_model()
     o1 = AdaScale(torch.optim.SGD(m1.parameters(), lr=0.1), num_gradients_to_accumulate=2)

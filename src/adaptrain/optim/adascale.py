@@ -149,6 +149,15 @@ def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _one_argument(method: str, **given: Any) -> Any:
+    """The one argument given under either of its names (fairscale's or torch's)."""
+    passed = {k: v for k, v in given.items() if v is not None}
+    if len(passed) != 1:
+        names = " or ".join(repr(k) for k in given)
+        raise TypeError(f"AdaScale.{method}() takes one argument, {names}; got {len(passed)}")
+    return next(iter(passed.values()))
+
+
 class _Callback:
     """A function queued on the autograd engine. The engine drops its final callbacks when a
     backward pass raises, so a weak reference to this object tells whether the backward pass
@@ -976,8 +985,15 @@ class AdaScale(Optimizer):
         self._grads_divided = False
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a parameter group to the wrapped optimizer; its statistics start empty."""
+    def add_param_group(
+        self, pg: dict[str, Any] | None = None, *, param_group: dict[str, Any] | None = None
+    ) -> None:
+        """Add a parameter group to the wrapped optimizer; its statistics start empty.
+
+        The group is ``pg`` (fairscale's name) or ``param_group`` (torch's), by keyword or
+        position.
+        """
+        param_group = _one_argument("add_param_group", pg=pg, param_group=param_group)
         self._check_not_in_backward("add_param_group")
         self._optimizer.add_param_group(param_group)
         self.unhook()
@@ -1008,14 +1024,18 @@ class AdaScale(Optimizer):
         sd["state"]["adascale"] = entry
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict from :meth:`state_dict` (or from fairscale's AdaScale).
+    def load_state_dict(
+        self, data: dict[str, Any] | None = None, *, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """Load a state dict from :meth:`state_dict` (or from fairscale's AdaScale), given as
+        ``data`` (fairscale's name) or ``state_dict`` (torch's), by keyword or position.
 
         Like ``torch.optim``'s hyperparameters, the saved ``scale``, ``smoothing`` and
         ``num_gradients_to_accumulate`` replace the current ones, provided the state was saved
         at this ``world_size``; from another world size (an elastic restart) the values this
         wrapper was built with stay, and the averages, in base-batch units, carry over.
         """
+        state_dict = _one_argument("load_state_dict", data=data, state_dict=state_dict)
         self._check_not_in_backward("load_state_dict")
         sd = dict(state_dict)
         sd["state"] = dict(sd["state"])
