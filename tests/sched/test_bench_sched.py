@@ -156,18 +156,26 @@ def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     assert "under every seed" not in tiresias and "one run (deterministic)" in tiresias
 
 
+DIAG = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
+
+
+def _run_diag(tmp_path, tiny_app_writer, *args: str) -> list[str]:
+    """benchmarks/diag_sched_models.py on a tiny trace whose jobs arrive between rounds:
+    its result lines."""
+    rows = [("toy-0", 0, "toy", 1, 8), ("toy-1", 53, "toy", 4, 16), ("toy-2", 130, "toy", 2, 8)]
+    stored = {"jcts": {"workload-9": {"toy-0": 400.0, "toy-1": 400.0, "toy-2": 400.0}}}
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, stored)
+    cmd = [sys.executable, DIAG, "--traces", str(traces), "--workloads", "9", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if "workload-9" in line]
+
+
 def test_diag_models_runs_every_mode_with_arrivals(tmp_path, tiny_app_writer):
     """benchmarks/diag_sched_models.py end to end on a tiny trace whose jobs arrive between
     rounds (the simulator then asks for a job's view at the arrival time): one line per mode,
     with the ratio to the stored per-job JCTs."""
-    diag = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
-    rows = [("toy-0", 0, "toy", 1, 8), ("toy-1", 53, "toy", 4, 16), ("toy-2", 130, "toy", 2, 8)]
-    stored = {"jcts": {"workload-9": {"toy-0": 400.0, "toy-1": 400.0, "toy-2": 400.0}}}
-    traces = _artifact_data(tmp_path, tiny_app_writer, rows, stored)
-    cmd = [sys.executable, diag, "--traces", str(traces), "--workloads", "9"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if "workload-9" in line]
+    lines = _run_diag(tmp_path, tiny_app_writer)
     assert [line.split()[3] for line in lines] == ["learned", "full", "full-nocap"]
     assert all("/ stored Pollux" in line and "(toy " in line for line in lines)
 
@@ -176,8 +184,7 @@ def test_diag_models_restart_free_modes(tmp_path, tiny_app_writer, tiny_traces):
     """The restart modes of benchmarks/diag_sched_models.py: a job's first placement waits
     the restart delay, a restart then waits nothing (a start-up under way goes on); both modes
     run end to end, with a seed."""
-    diag = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
-    spec = importlib.util.spec_from_file_location("diag_sched_models", diag)
+    spec = importlib.util.spec_from_file_location("diag_sched_models", DIAG)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     from adaptrain.sched.traces import load_applications
@@ -199,14 +206,9 @@ def test_diag_models_restart_free_modes(tmp_path, tiny_app_writer, tiny_traces):
     plain.reallocate([2])
     assert plain.rescale_time == 30.0  # the simulator's own rule, for contrast
 
-    rows = [("toy-0", 0, "toy", 1, 8), ("toy-1", 53, "toy", 4, 16), ("toy-2", 130, "toy", 2, 8)]
-    stored = {"jcts": {"workload-9": {"toy-0": 400.0, "toy-1": 400.0, "toy-2": 400.0}}}
-    traces = _artifact_data(tmp_path, tiny_app_writer, rows, stored)
-    cmd = [sys.executable, diag, "--traces", str(traces), "--workloads", "9", "--seed", "1",
-           "--modes", "learned", "restart-free", "no-delay"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.splitlines() if "workload-9" in line]
+    lines = _run_diag(
+        tmp_path, tiny_app_writer, "--seed", "1", "--modes", "learned", "restart-free", "no-delay"
+    )
     assert [line.split()[3] for line in lines] == ["learned", "restart-free", "no-delay"]
     jct = [float(line.split("avg JCT")[1].split()[0]) for line in lines]
     assert jct[2] < jct[0]  # with nothing to wait, the average JCT falls on this trace

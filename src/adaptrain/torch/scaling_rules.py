@@ -267,8 +267,6 @@ class AdamScale(AdaScale):
         if scale == 1.0:
             return 1.0
         sqr, var, progress = self._stats()
-        if power == 0.5:
-            return _scaling.sqrt_adascale_factor(scale, sqr, var, progress)
         return _scaling.adascale_factor(scale, sqr, var, progress) ** power
 
 
