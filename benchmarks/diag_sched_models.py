@@ -2,6 +2,8 @@
 
     python benchmarks/diag_sched_models.py --workloads 3 [--modes learned full full-nocap]
                                            [--load 1.0] [--seed 0] [--isolated]
+    python benchmarks/diag_sched_models.py --workloads 3 --modes learned restart-free \
+        free-shrink free-grow free-explore free-regrow --seed 0
 
 Replays a workload under our default policy with three views of each job:
 
@@ -24,10 +26,19 @@ Two more modes (not run by default) ask what the 30 s restarts cost, with the le
   while its first placement still waits the restart delay;
 * ``no-delay``: nothing waits (``Simulator(restart_delay=0)``).
 
-In both the policy still prices a restart at 30 s, so it makes the default's decisions until
-the first restart whose cost differs; the difference to ``learned`` is what the restarts cost
-the file, not what a policy for cheaper restarts would reach. ``--seed`` seeds the policy's
-genetic search (default 0).
+Four more make only one kind of restart free, as ``restart-free`` does for all of them:
+
+* ``free-shrink``: a running job's shrinks (to fewer replicas, or to none);
+* ``free-grow``: its growths (to more replicas; a re-placement after a preemption counts as one);
+* ``free-explore``: the growths past the largest size it has run on (``max_profiled_replicas``
+  before the change): the steps of its exploration ramp;
+* ``free-regrow``: the other growths, to a size it has run on before.
+
+A move at the same size is free only under ``restart-free``. In all of these the policy still
+prices a restart at 30 s, so it makes the default's decisions until the first restart whose
+cost differs; the difference to ``learned`` is what those restarts cost the file, not what a
+policy for cheaper restarts would reach. ``--seed`` seeds the policy's genetic search
+(default 0).
 
 With ``--isolated`` every job is simulated *alone* on the 64-GPU cluster (submitted at the same
 offset into its 60 s round, so the wait for its first round is the same): the mean of these JCTs
@@ -84,24 +95,52 @@ class FullModelSimulator(Simulator):
         return info
 
 
+RESTART_KINDS = ("shrink", "move", "explore", "regrow")
+# the restart kinds each mode makes free (see the module docstring)
+FREE_KINDS = {
+    "restart-free": frozenset(RESTART_KINDS),
+    "free-shrink": frozenset({"shrink"}),
+    "free-grow": frozenset({"explore", "regrow"}),
+    "free-explore": frozenset({"explore"}),
+    "free-regrow": frozenset({"regrow"}),
+}
+
+
+def restart_kind(old: int, new: int, largest_run: int) -> str:
+    """The kind of a running job's change from ``old`` to ``new`` replicas, ``largest_run``
+    the most it has run on: ``shrink``, ``move`` (the same size), ``explore`` (a growth past
+    ``largest_run``) or ``regrow`` (a growth to a size within it)."""
+    if new < old:
+        return "shrink"
+    if new == old:
+        return "move"
+    return "explore" if new > largest_run else "regrow"
+
+
 class _FreeRestartJob(SimJob):
-    """A simulated job whose restarts cost nothing: only its first placement waits the restart
-    delay (a start-up still under way when it is resized goes on)."""
+    """A simulated job whose restarts of the kinds in ``free_kinds`` cost nothing (every kind
+    by default): only its first placement, and its other restarts, wait the restart delay (a
+    start-up still under way when it is resized goes on)."""
+
+    free_kinds: frozenset = FREE_KINDS["restart-free"]
 
     def reallocate(self, placement) -> None:
         first, pending = self.num_restarts is None, self.rescale_time
+        kind = restart_kind(sum(self.placement), sum(placement or ()), self.max_profiled_replicas)
         super().reallocate(placement)
-        if placement and not first:
+        if placement and not first and kind in self.free_kinds:
             self.rescale_time = pending
 
 
 class FreeRestartSimulator(Simulator):
-    """The simulator with every job's restarts free (see ``restart-free`` above)."""
+    """The simulator with the restarts of the kinds in ``free_kinds`` free (every kind by
+    default; see ``restart-free`` and the ``free-*`` modes above)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, free_kinds: frozenset = FREE_KINDS["restart-free"], **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for job in self.jobs:
             job.__class__ = _FreeRestartJob
+            job.free_kinds = frozenset(free_kinds)
 
 
 def main() -> int:
@@ -111,7 +150,7 @@ def main() -> int:
         "--modes",
         nargs="+",
         default=["learned", "full", "full-nocap"],
-        choices=["learned", "full", "full-nocap", "restart-free", "no-delay"],
+        choices=["learned", "full", "full-nocap", "no-delay", *FREE_KINDS],
     )
     parser.add_argument("--load", default="1.0", choices=["0.5", "1.0", "1.5", "2.0"])
     parser.add_argument(
@@ -143,8 +182,8 @@ def main() -> int:
         policy = WaterfillPolicy(seed=args.seed)
         if mode == "learned":
             return Simulator(workload, apps, policy).run()
-        if mode == "restart-free":
-            return FreeRestartSimulator(workload, apps, policy).run()
+        if mode in FREE_KINDS:
+            return FreeRestartSimulator(workload, apps, policy, free_kinds=FREE_KINDS[mode]).run()
         if mode == "no-delay":
             return Simulator(workload, apps, policy, restart_delay=0.0).run()
         return FullModelSimulator(

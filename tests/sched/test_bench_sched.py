@@ -214,6 +214,52 @@ def test_diag_models_restart_free_modes(tmp_path, tiny_app_writer, tiny_traces):
     assert jct[2] < jct[0]  # with nothing to wait, the average JCT falls on this trace
 
 
+def test_diag_models_free_restart_kinds(tmp_path, tiny_app_writer, tiny_traces):
+    """The ``free-*`` modes of benchmarks/diag_sched_models.py: each makes one kind of restart
+    free (shrinks; growths; growths past the largest size run, the exploration steps; growths
+    within it), the others wait the restart delay; a move at the same size waits unless all
+    are free. End to end, ``free-grow`` and ``free-explore`` run on the tiny trace (its jobs
+    never grow, so they read the same average JCT as ``learned``)."""
+    spec = importlib.util.spec_from_file_location("diag_sched_models", DIAG)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from adaptrain.sched.traces import load_applications
+
+    assert [mod.restart_kind(4, n, 4) for n in (2, 0, 4, 8)] == [
+        "shrink", "shrink", "move", "explore"
+    ]  # fmt: skip
+    assert mod.restart_kind(2, 4, 8) == "regrow"
+    app = load_applications(tiny_traces)["toy"]
+
+    def delays(mode: str) -> list[float]:
+        """The restart delay after each change of one job: 1 -> 2 (explore) -> 1 (shrink)
+        -> 2 (regrow) -> 2 on other nodes (move) -> 0 (preempted) -> 2 (re-placed: regrow)."""
+        job = mod.SimJob("toy-0", app, 0.0, adaptive=True, restart_delay=30.0)
+        job.__class__ = mod._FreeRestartJob
+        job.free_kinds = mod.FREE_KINDS[mode]
+        job.reallocate([1])
+        job.step(60.0)
+        out = []
+        for placement in ((2,), (1,), (2,), (1, 1), (), (2,)):  # replicas per node
+            job.reallocate(placement)
+            out.append(job.rescale_time if placement else None)
+            job.step(60.0)
+        assert job.max_profiled_replicas == 2
+        return out
+
+    d = 30.0
+    assert delays("restart-free") == [0.0, 0.0, 0.0, 0.0, None, 0.0]
+    assert delays("free-shrink") == [d, 0.0, d, d, None, d]
+    assert delays("free-grow") == [0.0, d, 0.0, d, None, 0.0]
+    assert delays("free-explore") == [0.0, d, d, d, None, d]
+    assert delays("free-regrow") == [d, d, 0.0, d, None, 0.0]
+
+    lines = _run_diag(tmp_path, tiny_app_writer, "--modes", "learned", "free-grow", "free-explore")
+    assert [line.split()[3] for line in lines] == ["learned", "free-grow", "free-explore"]
+    jct = [float(line.split("avg JCT")[1].split()[0]) for line in lines]
+    assert jct[1] == jct[0] and jct[2] == jct[0]
+
+
 def test_parse_settings_reads_literals_and_names_errors(bench):
     """``--set KEY=VALUE``: Python literals, else strings; a malformed item, an unknown,
     repeated or unsettable key and a value the policy rejects each raise ``ValueError``."""
