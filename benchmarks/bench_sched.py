@@ -190,8 +190,11 @@ TARGET = 0.90  # our policy's target: avg JCT <= 0.90 x the stored Pollux figure
 
 def median_row(rows: list[dict]) -> dict:
     """One (workload, policy)'s runs over several seeds as one row: the median average JCT,
-    its ratios, the median p99 JCT, the largest policy seconds per round, the summed wall time
-    and the ratio to stored Pollux of every seed (``ratios_to_stored_pollux``)."""
+    its ratios, the median p99 JCT, the largest policy seconds per round, the summed wall time,
+    the ratio to stored Pollux of every seed (``ratios_to_stored_pollux``), and their mean and
+    sample standard deviation (``ratio_mean``, ``ratio_sd``; ``None`` without a stored figure,
+    the deviation also with one seed). The genetic search's seed moves a file's ratio by about
+    half a point (sd) at load 1.0, so a lever needs about ten seeds to resolve a point."""
     if not rows:
         raise ValueError("median_row needs at least one row")
     avg = float(statistics.median(r["avg_jct"] for r in rows))
@@ -213,6 +216,10 @@ def median_row(rows: list[dict]) -> dict:
         "policy_s_per_round": max(r["policy_s_per_round"] for r in rows),
         "wall_s": sum(r["wall_s"] for r in rows),
     }
+    ratios = [r["ratio_to_stored_pollux"] for r in rows]
+    known = all(x is not None for x in ratios)
+    out["ratio_mean"] = float(statistics.fmean(ratios)) if known else None
+    out["ratio_sd"] = float(statistics.stdev(ratios)) if known and len(ratios) > 1 else None
     if "waterfill_kwargs" in first:  # a parameter screen's settings (--set)
         out["waterfill_kwargs"] = first["waterfill_kwargs"]
     return out
@@ -326,6 +333,7 @@ def main() -> int:
             if len(runs) > 1:
                 rows.append(median_row(runs))
                 _print_row(rows[-1])
+                _print_mean(rows[-1])
             final.append(rows[-1])  # the median over seeds, or the single run
     how = "the median over seeds" if len(args.seed) > 1 else f"seed {args.seed[0]}"
     for pol, d in target_summary(final).items():
@@ -355,6 +363,18 @@ def _print_row(row: dict) -> None:
         f"{fmt(row['ratio_to_stored_same_policy'], '8.3f'):>8} "
         f"{fmt(row['ratio_to_stored_pollux'], '8.3f'):>8} {row['p99_jct']:8.0f} "
         f"{row['policy_s_per_round']:9.4f} {row['wall_s']:7.1f}",
+        flush=True,
+    )
+
+
+def _print_mean(row: dict) -> None:
+    """The mean ratio to stored Pollux over a median row's seeds, its sd and standard error."""
+    if row.get("ratio_mean") is None or row.get("ratio_sd") is None:
+        return
+    n = len(row["seeds"])
+    print(
+        f"{'':>10} {'':>4} {'':>19} {'mean':>6} over {n} seeds: {row['ratio_mean']:.4f} x stored "
+        f"Pollux (sd {row['ratio_sd']:.4f}, standard error {row['ratio_sd'] / n**0.5:.4f})",
         flush=True,
     )
 

@@ -32,7 +32,7 @@ def _row(seed, avg, pollux=1000.0, spr=0.1, wall=10.0):
         "stored_same_policy": None,
         "stored_pollux": pollux,
         "ratio_to_stored_same_policy": None,
-        "ratio_to_stored_pollux": avg / pollux,
+        "ratio_to_stored_pollux": avg / pollux if pollux else None,
         "p99_jct": 2 * avg,
         "policy_s_per_round": spr,
         "wall_s": wall,
@@ -70,6 +70,12 @@ def test_median_row_takes_the_middle_seed(bench):
     assert med["policy_s_per_round"] == 0.09  # the slowest seed
     assert med["wall_s"] == 30.0
     assert med["stored_same_policy"] is None and med["ratio_to_stored_same_policy"] is None
+    assert med["ratio_mean"] == pytest.approx((0.912 + 0.896 + 0.900) / 3)
+    assert med["ratio_sd"] == pytest.approx(0.008327, abs=1e-6)  # sample sd of the three
+    one = bench.median_row([_row(0, 912.0)])
+    assert one["ratio_mean"] == pytest.approx(0.912) and one["ratio_sd"] is None
+    unknown = bench.median_row([_row(0, 912.0, pollux=None), _row(1, 900.0, pollux=None)])
+    assert unknown["ratio_mean"] is None and unknown["ratio_sd"] is None
     with pytest.raises(ValueError, match="at least one row"):
         bench.median_row([])
 
@@ -150,6 +156,11 @@ def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     assert len(probes) == 2 and "before the runs" in probes[1] and "after" in probes[1]
     lines = text.splitlines()
     assert sum(" waterfill median " in line for line in lines) == 2
+    means = [line for line in lines if " mean over 2 seeds: " in line]
+    assert len(means) == 2  # one per median row, none for Tiresias' single run
+    for load, line in zip(("0.5", "1.0"), means, strict=True):
+        med = next(r for r in got if r["load"] == load and r["seed"] == "median")
+        assert f"{med['ratio_mean']:.4f} x stored Pollux (sd {med['ratio_sd']:.4f}" in line
     assert "waterfill: <= 0.90 x stored Pollux on" in text and "of 2 file(s)" in text
     assert "under every seed" in text.split("waterfill:")[1].splitlines()[0]
     tiresias = text.split("tiresias:")[1].splitlines()[0]
