@@ -193,8 +193,8 @@ def median_row(rows: list[dict]) -> dict:
     its ratios, the median p99 JCT, the largest policy seconds per round, the summed wall time,
     the ratio to stored Pollux of every seed (``ratios_to_stored_pollux``), and their mean and
     sample standard deviation (``ratio_mean``, ``ratio_sd``; ``None`` without a stored figure,
-    the deviation also with one seed). The genetic search's seed moves a file's ratio by about
-    half a point (sd) at load 1.0, so a lever needs about ten seeds to resolve a point."""
+    the deviation also with one seed). The genetic search's seed moves a file's ratio by
+    0.5-1.4 points (sd; session 45), so a lever needs about ten seeds to resolve a point."""
     if not rows:
         raise ValueError("median_row needs at least one row")
     avg = float(statistics.median(r["avg_jct"] for r in rows))
@@ -218,8 +218,8 @@ def median_row(rows: list[dict]) -> dict:
     }
     ratios = [r["ratio_to_stored_pollux"] for r in rows]
     known = all(x is not None for x in ratios)
-    out["ratio_mean"] = float(statistics.fmean(ratios)) if known else None
-    out["ratio_sd"] = float(statistics.stdev(ratios)) if known and len(ratios) > 1 else None
+    out["ratio_mean"] = statistics.fmean(ratios) if known else None
+    out["ratio_sd"] = statistics.stdev(ratios) if known and len(ratios) > 1 else None
     if "waterfill_kwargs" in first:  # a parameter screen's settings (--set)
         out["waterfill_kwargs"] = first["waterfill_kwargs"]
     return out
