@@ -335,3 +335,28 @@ def test_set_needs_the_waterfill_policy():
         timeout=120,
     )
     assert proc.returncode == 2 and "add waterfill to --policies" in proc.stderr
+
+
+def test_diag_sched_arrivals_replays_the_policy_estimate(tmp_path):
+    """benchmarks/diag_sched_arrivals.py's replay on a hand-made file: 5 jobs an hour apart on
+    the 64 GPUs read 4 / 4 h / 64 = 1/64 per GPU-hour once an hour of arrivals is seen, below
+    ``sparse_rate``, so the gate is open in every round from the second job on."""
+    path = os.path.join(os.path.dirname(BENCH), "diag_sched_arrivals.py")
+    spec = importlib.util.spec_from_file_location("diag_sched_arrivals", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from adaptrain.sched import WaterfillPolicy
+
+    csv = tmp_path / "workload-9.csv"
+    rows = [f"j{i},{3600 * i},cifar10,1,128" for i in range(5)]
+    csv.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
+    r = mod.replay(str(csv), WaterfillPolicy(search="local"))
+    # rounds at 0, 60, ... up to 4 h + 2 h; the rate is defined from 1 h on (the second job)
+    assert r["rounds"] == 6 * 60 + 1
+    assert len(r["rates"]) == r["opened"] == 5 * 60 + 1
+    assert min(r["rates"]) == pytest.approx(1 / 64) and max(r["rates"]) == pytest.approx(1 / 64)
+    dense = tmp_path / "workload-8.csv"
+    rows = [f"j{i},{180 * i},cifar10,1,128" for i in range(30)]  # 20 per hour
+    dense.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
+    r = mod.replay(str(dense), WaterfillPolicy(search="local"))
+    assert r["opened"] == 0 and min(r["rates"]) == pytest.approx(20 / 64)
