@@ -33,7 +33,7 @@ GPUS = 64
 
 def replay(path: str, policy: WaterfillPolicy, interval: float = 60.0) -> dict:
     jobs = sorted(load_workload(path), key=lambda w: w.time)
-    est = ArrivalRate(window=policy._arrivals.window, min_span=policy._arrivals.min_span)
+    est = ArrivalRate(window=policy.rate_window)  # the policy's estimator, one hour's min span
     rates, opened, rounds, i, t = [], 0, 0, 0, 0.0
     end = jobs[-1].time + 2 * 3600.0
     while t <= end:

@@ -362,6 +362,7 @@ class WaterfillPolicy:
         self.alpha = alpha
         self.sparse_theta = sparse_theta
         self.sparse_rate = sparse_rate
+        self.rate_window = rate_window
         self._arrivals = ArrivalRate(window=rate_window)
         #: the ``theta`` of the latest round (``sparse_theta`` while arrivals were sparse)
         self.theta_now = theta
@@ -631,12 +632,12 @@ class WaterfillPolicy:
         time: float,
     ) -> Allocation:
         """One round: replica counts by local search, then placement."""
-        if not jobs or sum(int(n.gpus) for n in nodes.values()) == 0:
+        total = sum(int(n.gpus) for n in nodes.values())
+        if not jobs or total == 0:
             return {}
-        self.theta_now = self.current_theta(jobs, sum(int(n.gpus) for n in nodes.values()), time)
+        self.theta_now = self.current_theta(jobs, total, time)
         grow = self._grow_costs(jobs, base_allocations)
         jobs = self._explore(self._widen(jobs))
-        total = sum(int(n.gpus) for n in nodes.values())
         keys = sorted(jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp))
         raw = {k: self._curve(jobs[k], min(jobs[k].max_replicas, total)) for k in keys}
         weight = self._weights(jobs, keys, raw, total)
