@@ -593,14 +593,14 @@ class WaterfillPolicy:
         """Remaining-work (or attained-service) weights, divided by ``s_future ** future_gamma``
         when ``speedups`` (``{key: s(0..rmax)}``, from :meth:`_curve`) and ``total`` are given
         (see the module docstring)."""
+        theta = self.theta_now
         if self.weighting == "las":
-            theta = self.theta_now
             out = {k: (1.0 + jobs[k].attained_service / theta) ** (-self.alpha) for k in keys}
         else:
             out = {}
             for k in keys:  # unknown remaining work (new job): the largest weight, as under LAS
                 rem = jobs[k].remaining_work
-                out[k] = 1.0 if rem is None else (1.0 + rem / self.theta_now) ** (-self.alpha)
+                out[k] = 1.0 if rem is None else (1.0 + rem / theta) ** (-self.alpha)
         if not self.future_gamma or speedups is None or total is None:
             return out
         # each job capped at its goodput peak within its bound (none if it may have no GPU)
