@@ -345,6 +345,11 @@ class WaterfillPolicy:
             )
         if not (math.isfinite(sparse_rate) and sparse_rate >= 0):
             raise ValueError(f"sparse_rate={sparse_rate} must be >= 0 arrivals per GPU-hour")
+        if not (math.isfinite(rate_window) and rate_window >= 3600.0):
+            raise ValueError(
+                f"rate_window={rate_window} must be a finite number of seconds >= 3600 (the "
+                "arrival rate needs an hour of arrivals)"
+            )
         if weighting not in ("las", "srpt"):
             raise ValueError(f"weighting={weighting!r} must be 'las' or 'srpt'")
         if gpus_per_node < 1:
