@@ -19,11 +19,14 @@ import math
 
 __all__ = ["ArrivalRate"]
 
+#: the default ``min_span``: an hour of arrivals before the rate is read
+DEFAULT_MIN_SPAN = 3600.0
+
 
 class ArrivalRate:
     """Arrivals per GPU-hour over the last ``window`` seconds (see the module docstring)."""
 
-    def __init__(self, window: float = 24 * 3600.0, min_span: float = 3600.0) -> None:
+    def __init__(self, window: float = 24 * 3600.0, min_span: float = DEFAULT_MIN_SPAN) -> None:
         if not (math.isfinite(window) and window > 0):
             raise ValueError(f"window={window} must be a finite number of seconds > 0")
         if not (math.isfinite(min_span) and 0 < min_span <= window):

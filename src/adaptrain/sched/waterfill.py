@@ -230,7 +230,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._arrivals import ArrivalRate
+from ._arrivals import DEFAULT_MIN_SPAN, ArrivalRate
 from ._plan import WeightedGeneticSearch
 from .policy_base import Allocation, JobInfo, NodeInfo
 from .speedup import ExploringSpeedup, LinearSpeedup, PowerSpeedup, RampSpeedup
@@ -345,10 +345,11 @@ class WaterfillPolicy:
             )
         if not (math.isfinite(sparse_rate) and sparse_rate >= 0):
             raise ValueError(f"sparse_rate={sparse_rate} must be >= 0 arrivals per GPU-hour")
-        if not (math.isfinite(rate_window) and rate_window >= 3600.0):
+        # ArrivalRate checks this too; here the message names the policy's own parameter
+        if not (math.isfinite(rate_window) and rate_window >= DEFAULT_MIN_SPAN):
             raise ValueError(
-                f"rate_window={rate_window} must be a finite number of seconds >= 3600 (the "
-                "arrival rate needs an hour of arrivals)"
+                f"rate_window={rate_window} must be a finite number of seconds >= "
+                f"{DEFAULT_MIN_SPAN:g} (the arrival rate needs an hour of arrivals)"
             )
         if weighting not in ("las", "srpt"):
             raise ValueError(f"weighting={weighting!r} must be 'las' or 'srpt'")
