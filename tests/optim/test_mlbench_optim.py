@@ -809,6 +809,68 @@ def test_centralized_aggregate_added_groups_and_optimizer_params_outside_model()
                 assert_close(a, b, rtol=1e-5, atol=1e-6, msg=kind)
 
 
+WEIGHT_AVG_KINDS = ("average_world", "average_custom")
+WEIGHT_AVG_CLIP, WEIGHT_AVG_LR = 0.05, 0.2
+
+
+def _weight_avg_worker(rank, ws):
+    """CustomCentralizedOptimizer with ``agg_grad=False``: each worker clips its own gradient
+    and steps, then the weights are averaged (``denom`` has no say there)."""
+    x, y = _data()
+    per = BATCH // ws
+    out = {}
+    for kind in WEIGHT_AVG_KINDS:
+        model = _model()
+        inner = torch.optim.SGD(model.parameters(), lr=WEIGHT_AVG_LR)
+        opt = CustomCentralizedOptimizer(
+            model, ws, inner, agg_grad=False, grad_clip=WEIGHT_AVG_CLIP, **{kind: True}
+        )
+        tracker = _Tracker()
+        for s in range(STEPS):
+            lo = s * BATCH + rank * per
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[lo : lo + per]), y[lo : lo + per]).backward()
+            assert opt.step(tracker=tracker, denom=torch.tensor(1000.0)) is True
+        out[kind] = ([p.detach().clone() for p in model.parameters()], tracker.agg, tracker.opt)
+    return _np(out)
+
+
+def _weight_avg_reference(ws):
+    """One process: every worker's local clipped SGD step from the shared weights, averaged."""
+    x, y = _data()
+    per = BATCH // ws
+    model = _model()
+    for s in range(STEPS):
+        stepped = []
+        for r in range(ws):
+            local = copy.deepcopy(model)
+            lo = s * BATCH + r * per
+            torch.nn.functional.cross_entropy(local(x[lo : lo + per]), y[lo : lo + per]).backward()
+            norm = torch.nn.utils.clip_grad_norm_(local.parameters(), WEIGHT_AVG_CLIP)
+            assert norm > WEIGHT_AVG_CLIP  # the clip acts, so the test can tell it from none
+            with torch.no_grad():
+                for p in local.parameters():
+                    p -= WEIGHT_AVG_LR * p.grad
+            stepped.append(list(local.parameters()))
+        with torch.no_grad():
+            for p, *copies in zip(model.parameters(), *stepped):
+                p.copy_(sum(copies) / ws)
+    return [p.detach() for p in model.parameters()]
+
+
+def test_custom_centralized_weight_averaging_clips_locally_and_divides_by_world():
+    res = _t(spawn(_weight_avg_worker, 2, timeout=120))
+    ref = _weight_avg_reference(2)
+    for kind in WEIGHT_AVG_KINDS:
+        for r in range(2):
+            params, n_agg, n_opt = res[r][kind]
+            assert (n_agg, n_opt) == (STEPS, STEPS), kind
+            for a, b in zip(params, res[0][kind][0]):
+                assert torch.equal(a, b), kind  # replicas identical
+            for a, b in zip(params, ref):
+                assert_close(a, b, rtol=1e-5, atol=1e-6, msg=kind)
+
+
 def test_centralized_world_size_none_and_missing_lr():
     m = _model()
     assert CentralizedSGD(None, m, lr=0.1).world_size == 1

@@ -133,6 +133,24 @@ def test_growing_window_forgets_the_early_transient():
     assert ratio[None] < 0.2 * truth
 
 
+@pytest.mark.parametrize("bad", [(float("inf"), 1.0), (2.0, float("nan"))])
+def test_non_finite_sample_is_skipped_and_its_scale_carried_to_the_next(bad, caplog):
+    """An overflowed step (inf/NaN statistics, e.g. fp16 before GradScaler backs off) leaves
+    the averages alone, warns, and its scale counts towards the next sample's span."""
+    steady = (2.0, 1.5)
+    gns, ref = GradientNoiseScale(num_replicas=2), GradientNoiseScale(num_replicas=2)
+    for g in (gns, ref):
+        assert g._take_sample(2, True, 1.0, *steady)
+    averages = gns.averages()
+    with caplog.at_level("WARNING", logger="adaptrain.torch.gradient_noise_scale"):
+        assert not gns._take_sample(2, True, 1.0, *bad)
+    assert "non-finite" in caplog.text
+    assert gns.averages() == averages
+    assert gns._take_sample(2, True, 1.0, *steady)
+    assert ref._take_sample(2, True, 1.0, *steady, span=2.0)  # one sample over both steps
+    assert gns.state_dict() == ref.state_dict()
+
+
 def test_sample_interval_cache_follows_scale_and_loaded_history():
     from adaptrain.core.gns import sample_interval
 
