@@ -149,6 +149,46 @@ def test_duplicate_job_names_are_rejected(tiny_traces, tmp_path):
         load_workload(str(path))
 
 
+class _PlacedPolicy(TiresiasPolicy):
+    """Fixed-batch jobs (Tiresias's kind) on the placements given, every round."""
+
+    def __init__(self, placements):
+        super().__init__()
+        self.placements = placements
+
+    def optimize(self, jobs, nodes, base_allocations, time):
+        return {k: list(v) for k, v in self.placements.items() if k in jobs}
+
+
+@pytest.mark.parametrize(
+    ("placements", "interference", "jct"),
+    [
+        # two multi-node jobs share both nodes: each trains at (1 - 0.5) progress/s, so its
+        # 120 progress take 240 s after the round at 60 and the 30 s restart: 330 s
+        ({"a": [0, 1], "b": [0, 1]}, 0.5, 330.0),
+        ({"a": [0, 1], "b": [0, 1]}, 0.25, 60.0 + 30.0 + 160.0),
+        ({"a": [0, 1], "b": [0, 1]}, 0.0, 210.0),  # the setting off: no slowdown
+        # one multi-node job beside a single-node one: nobody is slowed
+        ({"a": [0, 1], "b": [0, 0]}, 0.5, 210.0),
+    ],
+)
+def test_interference_slows_multi_node_jobs_sharing_a_node(
+    tiny_traces, placements, interference, jct
+):
+    apps = load_applications(tiny_traces)
+    w = [WorkloadJob("a", 0.0, "toy", 2, 16), WorkloadJob("b", 0.0, "toy", 2, 16)]
+    sim = Simulator(
+        w,
+        apps,
+        _PlacedPolicy(placements),
+        num_nodes=2,
+        gpus_per_node=3,
+        interference=interference,
+    )
+    res = sim.run(max_time=10_000)
+    assert res.jcts == {"a": jct, "b": jct}
+
+
 @pytest.mark.parametrize(
     ("interval", "jct"),
     [(60, 210.0), (1, 151.0), (200, 350.0), (45.5, 195.5), (0.5, 150.5), (7.3, 157.3)],
