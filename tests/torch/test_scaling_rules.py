@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +150,28 @@ def test_step_hooks_scale_then_restore_the_lr():
     owner2, opt2, seen2, closure2 = _hooked(1.0)  # factor 1: lr untouched, step still ends
     opt2.step(closure2)
     assert seen2 == [0.1] and owner2.ended == [(1.0, 1.0)]
+
+
+class _PerGroup(ScalingRuleBase):
+    """A user's rule with one factor per param group (AdaptDL's rules may return an array)."""
+
+    def scale_lr(self, scale: float):
+        return np.array([scale, 1.0, 0.5])
+
+
+def test_a_rule_may_scale_each_param_group_by_its_own_factor():
+    owner = _Stepper(4.0)
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    for q in params:
+        q.grad = torch.ones(1)
+    opt = torch.optim.SGD([{"params": [q], "lr": lr} for q, lr in zip(params, (0.1, 0.2, 0.4))])
+    _PerGroup().initialize(owner, opt, patch_optimizer=True)
+    seen = []
+    opt.step(lambda: seen.append([g["lr"] for g in opt.param_groups]))
+    assert seen == [[pytest.approx(0.4), 0.2, 0.2]]  # 0.1 x 4, 0.2 x 1, 0.4 x 0.5
+    assert [q.item() for q in params] == pytest.approx([-0.4, -0.2, -0.2])  # float32 steps
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.2, 0.4]  # restored after the step
+    assert owner.ended == [(4.0, pytest.approx((4.0 + 1.0 + 0.5) / 3))]  # the mean factor
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
