@@ -102,6 +102,20 @@ def test_adaptdl_names(monkeypatch):
     assert env.adaptdl_sched_version() == env.adaptrain_sched_version() == "1.2"
 
 
+def test_job_id_prefers_ours_then_torchrun_s_run_id_but_not_its_default(monkeypatch):
+    monkeypatch.delenv("ADAPTRAIN_JOB_ID", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert env.job_id() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun's default: no identity
+    assert env.job_id() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    assert env.job_id() == "run-7"
+    monkeypatch.setenv("ADAPTRAIN_JOB_ID", "")  # empty counts as unset
+    assert env.job_id() == "run-7"
+    monkeypatch.setenv("ADAPTRAIN_JOB_ID", "ns/job-1")
+    assert env.job_id() == "ns/job-1"
+
+
 @pytest.mark.parametrize("value", ["70000", "-1"])
 def test_a_port_out_of_range_names_the_variable(monkeypatch, value):
     for name in TORCHRUN:
