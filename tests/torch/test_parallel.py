@@ -576,6 +576,41 @@ def test_checkpoint_round_trip_replays_identically(tmp_path, interval):
         assert b["gns"]["progress"] == a["gns"]["progress"] == 6.0
 
 
+def _scaler_phase(rank, ws, phase):
+    """Phase 0: three steps under a GradScaler, the first overflowing, then a checkpoint.
+    Phase 1: a fresh scaler, restored from that checkpoint by AdaptiveDataParallel."""
+    from adaptrain import checkpoint
+    from adaptrain.torch.parallel import AdaptiveDataParallel
+
+    X, y = _data()
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    fresh = scaler.state_dict()
+    adp = AdaptiveDataParallel(m, opt, mp_scaler=scaler)
+    if phase == 0:
+        for step, idx in enumerate(_indices(3, ws, 16)):
+            opt.zero_grad()
+            loss = F.cross_entropy(adp(X[idx[rank]]), y[idx[rank]])
+            if step == 0:
+                loss = loss * float("inf")  # halves the scale, resets the growth tracker
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert checkpoint.save_all_states()
+    return fresh, scaler.state_dict()
+
+
+def test_checkpoint_restores_the_grad_scaler(tmp_path):
+    env = {"ADAPTRAIN_CHECKPOINT_PATH": str(tmp_path)}
+    saved = spawn(_scaler_phase, 2, args=(0,), env=env, timeout=TIMEOUT)
+    restored = spawn(_scaler_phase, 2, args=(1,), env=env, timeout=TIMEOUT)
+    for (fresh, before), (_, after) in zip(saved, restored):
+        assert before["scale"] == 2.0**11 and before["_growth_tracker"] == 2
+        assert before != fresh  # so the restored state cannot be a fresh scaler's
+        assert after == before
+
+
 # ----------------------------------------------------------------------------------------------
 def _sparse_vs_dense(rank, ws):
     from adaptrain.torch.parallel import AdaptiveDataParallel
