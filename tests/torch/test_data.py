@@ -424,6 +424,17 @@ def test_restart_on_other_replica_count_keeps_global_batch():
     assert sizes == [32, 32] and dl.accumulation_steps == 1
 
 
+def test_restart_on_the_same_replica_count_keeps_the_decision():
+    """A restart on the replica count the checkpointed decision was made for resumes that
+    decision (local batch and accumulation), rather than re-splitting its global batch."""
+    dl = at.AdaptiveDataLoader(_ids(64), batch_size=8)
+    dl.autoscale_batch_size(256, local_bsz_bounds=(1, 64), gradient_accumulation=True)
+    st = dl._elastic._state
+    st.local_bsz, st.accum_steps, st.num_replicas = 12, 2, 1  # decided on this one replica
+    assert (len(dl), dl.accumulation_steps) == (6, 2)  # before the first iteration, too
+    assert [len(x) for (x,) in dl] == [12] * 5 + [4] and dl.accumulation_steps == 2
+
+
 def _rank0_decides(rank: int, world_size: int) -> list[int]:
     from adaptrain.torch import _metrics
 
