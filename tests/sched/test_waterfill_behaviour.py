@@ -908,3 +908,32 @@ def test_genetic_patience_stops_after_that_many_generations_without_a_fitter_can
     assert early_bests == full_bests[: expected + 1]
     with pytest.raises(ValueError, match="genetic_patience"):
         WaterfillPolicy(genetic_patience=0)
+
+
+@pytest.mark.parametrize(
+    ("p", "want"), [(1.0, (7, 1)), (0.5, (6, 2)), (0.0, (5, 3)), (-1.0, (5, 3))]
+)
+def test_the_local_search_maximises_the_weighted_utility_of_exponent_p(p, want):
+    """Two linear jobs on one 8-GPU node, weights 1 and 0.5 (remaining work 0 and ``theta``).
+    The exact optima of ``sum_j w_j U(r_j)``: linear (p = 1) 7 + 0.5 at (7, 1); ``2 sqrt r``
+    (p = 0.5) 6.313 at (6, 2) against 6.292 at (7, 1); ``log r`` (p = 0) 2.159 at (5, 3) against
+    2.138 at (6, 2); ``-1 / r`` (p = -1) -0.367 at (5, 3) against -0.375 at (4, 4)."""
+
+    def linear(n, r):
+        return np.asarray(r, dtype=float)
+
+    theta = 16 * 3600.0
+    jobs = {
+        k: JobInfo(
+            float(i),
+            max_replicas=8,
+            speedup_fn=linear,
+            remaining_work=rem,
+            age=1e5,
+            max_profiled_replicas=8,
+        )
+        for i, (k, rem) in enumerate((("a", 0.0), ("b", theta)))
+    }
+    policy = WaterfillPolicy(theta=theta, p=p, search="local", future_gamma=None)
+    out = policy.optimize(jobs, {0: NodeInfo(8)}, {}, 0.0)
+    assert (len(out["a"]), len(out["b"])) == want
