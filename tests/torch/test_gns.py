@@ -151,6 +151,27 @@ def test_non_finite_sample_is_skipped_and_its_scale_carried_to_the_next(bad, cap
     assert gns.state_dict() == ref.state_dict()
 
 
+def test_adaptdl_accumulation_accessors():
+    """AdaptDL's accumulation bookkeeping on GradientNoiseScale: micro-batches counted until
+    the step ends (or a reset), gradients zeroed only at a step's first micro-batch."""
+    gns = GradientNoiseScale(num_replicas=2)
+    assert (gns.accum_count, gns.should_zero_grad, gns.accum_scale) == (0, True, 1.0)
+    gns.count_micro_batch()
+    gns.count_micro_batch()
+    assert (gns.accum_count, gns.should_zero_grad) == (2, False)
+    gns.finish_step(1.0)  # the optimizer step ends the accumulation
+    assert (gns.accum_count, gns.should_zero_grad) == (0, True)
+    gns.count_micro_batch()
+    gns.reset_accumulation()
+    assert gns.accum_count == 0
+    gns.set_accum_scale(2.5)
+    assert gns.accum_scale == 2.5
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="accum_scale"):
+            gns.set_accum_scale(bad)
+    assert gns.accum_scale == 2.5
+
+
 def test_sample_interval_cache_follows_scale_and_loaded_history():
     from adaptrain.core.gns import sample_interval
 
