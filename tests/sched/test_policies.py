@@ -216,6 +216,20 @@ def test_check_allocations_catches_violations():
         check_allocations({"a": [0, 0, 1]}, jobs, nodes)
     with pytest.raises(RuntimeError, match="multi-node"):
         check_allocations({"a": [0, 1], "b": [0, 1]}, jobs, nodes, interference=True)
+    with pytest.raises(RuntimeError, match="unknown job 'c'"):
+        check_allocations({"c": [0]}, jobs, nodes)
+    with pytest.raises(RuntimeError, match="unknown node 7"):
+        check_allocations({"a": [7]}, jobs, nodes)
+    check_allocations({"a": [0, 1], "b": [0, 1]}, jobs, nodes)  # sharing allowed unless asked
+
+
+def test_job_info_rejects_impossible_replica_bounds():
+    with pytest.raises(ValueError, match="max_replicas=0"):
+        JobInfo(0.0, max_replicas=0)
+    with pytest.raises(ValueError, match="min_replicas=3"):
+        JobInfo(0.0, min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="min_replicas=-1"):
+        JobInfo(0.0, min_replicas=-1, max_replicas=2)
 
 
 def test_waterfill_fast_on_160_jobs_64_gpus():
