@@ -918,16 +918,12 @@ def test_the_local_search_maximises_the_weighted_utility_of_exponent_p(p, want):
     The exact optima of ``sum_j w_j U(r_j)``: linear (p = 1) 7 + 0.5 at (7, 1); ``2 sqrt r``
     (p = 0.5) 6.313 at (6, 2) against 6.292 at (7, 1); ``log r`` (p = 0) 2.159 at (5, 3) against
     2.138 at (6, 2); ``-1 / r`` (p = -1) -0.367 at (5, 3) against -0.375 at (4, 4)."""
-
-    def linear(n, r):
-        return np.asarray(r, dtype=float)
-
     theta = 16 * 3600.0
     jobs = {
         k: JobInfo(
             float(i),
             max_replicas=8,
-            speedup_fn=linear,
+            speedup_fn=LinearSpeedup(),
             remaining_work=rem,
             age=1e5,
             max_profiled_replicas=8,
