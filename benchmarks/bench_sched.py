@@ -85,6 +85,9 @@ import statistics
 import sys
 import time
 
+import numpy as np
+import scipy
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
@@ -123,6 +126,21 @@ VARIANTS = {
 }
 # the simulator's rule for new jobs: placed on arrival, or waiting for the next round
 ROUNDS_ONLY = {"pollux", "waterfill-rounds"}
+
+
+def simd_label() -> str:
+    """numpy's SIMD extensions on this host (``np.show_config``). numpy's float64 ``exp`` and
+    ``log`` and OpenBLAS's kernels pick a code path by CPU (AVX-512 where present) whose last
+    bits can differ, and a simulation amplifies such bits into other schedules: the JCT
+    figures are deterministic on one host, and comparable between hosts that print the same
+    line (session 53, ``benchmarks/results/sched.md``)."""
+    try:
+        simd = np.show_config(mode="dicts")["SIMD Extensions"]
+    except (KeyError, TypeError):  # a numpy without the dict form
+        return "SIMD unknown"
+    found = " ".join(simd.get("found", [])) or "none"
+    missing = " ".join(simd.get("not found", [])) or "none"
+    return f"SIMD found: {found}; not found: {missing}"
 
 
 PROBE_ADDITIONS = 3_000_000  # the host probe's loop length (see host_probe)
@@ -303,6 +321,7 @@ def main() -> int:
         f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
         f"python {platform.python_version()}, {args.processes} simulation(s) at a time"
     )
+    print(f"numpy {np.__version__}, scipy {scipy.__version__}, {simd_label()}")
     if settings:
         given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
         print(f"waterfill*: WaterfillPolicy({given}), the other parameters at their defaults")

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_sched.py")
@@ -102,6 +103,18 @@ def test_host_probe_times_the_additions(bench):
     assert 0.0 < small < large
 
 
+def test_simd_label_names_found_and_missing_extensions(bench):
+    """The header's SIMD line lists what numpy's build config found on this host and what not,
+    so readings from hosts with and without AVX-512 can be told apart."""
+    simd = np.show_config(mode="dicts")["SIMD Extensions"]
+    label = bench.simd_label()
+    assert label.startswith("SIMD found: ")
+    for ext in simd.get("found", []):
+        assert ext in label.split(";")[0]
+    for ext in simd.get("not found", []):
+        assert ext in label.split("not found:")[1]
+
+
 def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     """Two loads, two seeds of our policy, Tiresias once, on two processes: per-seed rows in
     task order, a median row per (file, stochastic policy), the summary, and the JSON."""
@@ -154,6 +167,9 @@ def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
         )
     text = proc.stdout
     assert "2 simulation(s) at a time" in text
+    versions = [line for line in text.splitlines() if line.startswith("numpy ")]
+    assert len(versions) == 1 and f"numpy {np.__version__}, scipy " in versions[0]
+    assert "SIMD" in versions[0]
     probes = [line for line in text.splitlines() if line.startswith("host probe:")]
     assert len(probes) == 2 and "before the runs" in probes[1] and "after" in probes[1]
     lines = text.splitlines()
