@@ -264,7 +264,14 @@ def _fitted_params():
 
 def test_a_stall_does_not_reach_the_fit():
     """One step stalled 40x (a full GC pause, or waiting for a replica that had one) among the
-    steps of a configuration leaves the fit as it is without it; the plain mean would not."""
+    steps of a configuration leaves the fit as it is without it; the plain mean would not.
+
+    The fit's inputs agree to 1e-12, and so do its predictions to 1e-4, also for sizes never
+    profiled. Its parameters agree to 1e-3 only: along the fit's flattest direction (the
+    overlap ``gamma`` against the network coefficients) where L-BFGS-B stops moves with the
+    last bits of its inputs and of numpy's ``exp``/``log``, which differ by CPU (session 53: on
+    a host without AVX-512 the fit without the stall stopped 3e-4 short in ``alpha_r`` and
+    ``gamma``, predicting the same step times to 5e-5)."""
     _synthetic_profile()
     clean = _fitted_params()
     clean_rows = {k: _metrics._step_times(k, r) for k, r in _metrics._state().profile.items()}
@@ -281,8 +288,20 @@ def test_a_stall_does_not_reach_the_fit():
     for key, times in clean_rows.items():
         got = _metrics._step_times(key, _metrics._state().profile[key])
         assert got == pytest.approx(times, rel=1e-12), key
-    for a, b in zip(clean, _fitted_params()):
-        assert math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12), (clean, a, b)
+    stalled_fit = _fitted_params()
+    for a, b in zip(clean, stalled_fit):
+        assert math.isclose(a, b, rel_tol=1e-3), (clean, stalled_fit)
+    grad = (1e-3, 1.0)
+    fit_clean, fit_stalled = (
+        GoodputFunction(clean, grad, 32),
+        GoodputFunction(stalled_fit, grad, 32),
+    )
+    # the profiled sizes (one node, 1-4 replicas) and sizes beyond them (8-16 on 1-4 nodes)
+    for nodes, replicas in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 16)]:
+        for atomic in (8, 32, 128):
+            want = fit_clean.throughput(nodes, replicas, atomic, 0)
+            got = fit_stalled.throughput(nodes, replicas, atomic, 0)
+            assert got == pytest.approx(want, rel=1e-4), (nodes, replicas, atomic)
 
 
 def test_ordinary_jitter_stays_in_the_mean():
