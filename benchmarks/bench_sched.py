@@ -132,8 +132,8 @@ def simd_label() -> str:
     """numpy's SIMD extensions on this host (``np.show_config``). numpy's float64 ``exp`` and
     ``log`` and OpenBLAS's kernels pick a code path by CPU (AVX-512 where present) whose last
     bits can differ, and a simulation amplifies such bits into other schedules: the JCT
-    figures are deterministic on one host, and comparable between hosts that print the same
-    line (session 53, ``benchmarks/results/sched.md``)."""
+    figures are deterministic on one host, and only hosts that print the same line can be
+    expected to agree (session 53, ``benchmarks/results/sched.md``)."""
     try:
         simd = np.show_config(mode="dicts")["SIMD Extensions"]
     except (KeyError, TypeError):  # a numpy without the dict form
