@@ -292,10 +292,8 @@ def test_a_stall_does_not_reach_the_fit():
     for a, b in zip(clean, stalled_fit):
         assert math.isclose(a, b, rel_tol=1e-3), (clean, stalled_fit)
     grad = (1e-3, 1.0)
-    fit_clean, fit_stalled = (
-        GoodputFunction(clean, grad, 32),
-        GoodputFunction(stalled_fit, grad, 32),
-    )
+    fit_clean = GoodputFunction(clean, grad, 32)
+    fit_stalled = GoodputFunction(stalled_fit, grad, 32)
     # the profiled sizes (one node, 1-4 replicas) and sizes beyond them (8-16 on 1-4 nodes)
     for nodes, replicas in [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8), (4, 16)]:
         for atomic in (8, 32, 128):
