@@ -140,13 +140,22 @@ def test_demo_end_to_end(tmp_path):
         assert f"demo/{name}" in tags, tags
     assert "adaptdl/Total_Batch_Size" in tags and "adaptdl/Gain" in tags
     assert (out / "checkpoint").is_dir()
-    # A rerun of a finished job does not train again.
-    again = _run(_demo_cmd(out, budget_min, "--no-plot"), timeout=200)
+    assert f"of {budget_min} min budget" in res.stdout
+    # A rerun of a finished job does not train again, whatever budget it is given: it reports
+    # the budget the job ran under, and how to start a new job.
+    again = _run(_demo_cmd(out, 5, "--no-plot"), timeout=200)
     assert again.returncode == 0, again.stdout[-3000:]
     summary2 = json.loads((out / "summary.json").read_text())
-    assert summary2["steps"] == summary["steps"]
+    assert summary2["steps"] == summary["steps"] and summary2["budget_min"] == budget_min
     assert summary2["restarts"] == 0 and "is finished" in again.stdout  # no restart counted
     assert len(list((out / "checkpoint").glob("checkpoint-*"))) == 1  # nothing saved again
+    assert f"of {budget_min} min budget" in again.stdout and "of 5 min budget" not in again.stdout
+    assert f"of {budget_min} min budget" in (out / "summary.txt").read_text()
+    assert (
+        f"already finished under a {budget_min} min budget; --minutes 5 applies to a new job"
+        in again.stdout
+    )
+    assert "another --out" in again.stdout and "--fresh" in again.stdout
 
 
 def _start_and_signal(out: Path, log: Path, sig: int) -> int:

@@ -79,51 +79,45 @@ def test_demo_rejects_bad_values_before_starting_torchrun(tmp_path, flag, value)
     assert not (tmp_path / "out" / "summary.json").exists()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX file locks")
-def test_a_second_demo_on_the_same_out_is_refused(tmp_path):
+def test_a_held_out_is_refused_then_a_logged_run_and_a_fresh_run(tmp_path):
+    """One ``--out`` through three launches (each costs seconds of process start-up, so the
+    three checks share them): a second demo on a held ``--out`` is refused; once the lock is
+    released a run logs plain lines when its output is not a terminal; a ``--fresh`` run
+    hides the first run's TensorBoard events."""
     import fcntl
 
-    out = tmp_path / "out"
-    out.mkdir()
-    # what a running demo holds: the launcher's lock on out/.lock
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # an --out with a space in its path
+    out = tmp_path / "with space" / "demo"
+    out.mkdir(parents=True)
+    # 1. What a running demo holds: the launcher's lock on out/.lock.
     with open(out / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        res = _demo(out, "--minutes", "0.02", "--no-bar", timeout=90)
+        res = _demo(out, "--minutes", "0.03", "--no-bar", timeout=90)
     assert res.returncode == 2, (res.stdout + res.stderr)[-3000:]
     assert "another adaptrain demo is running" in res.stderr and str(out) in res.stderr
     assert not list((out / "checkpoint").glob("checkpoint-*"))
     assert not (out / "summary.json").exists()
-    # once the lock is released, the demo runs (and releases the lock itself at the end)
-    ok = _demo(out, "--minutes", "0.02", "--no-bar")
-    assert ok.returncode == 0, (ok.stdout + ok.stderr)[-3000:]
+
+    # 2. Once the lock is released the demo runs (and releases the lock itself at the end).
+    # One replica, --no-plot, stderr a pipe and no --no-bar: log lines, not a bar.
+    first = _demo(out, "--minutes", "0.03")
+    both = first.stdout + first.stderr
+    assert first.returncode == 0, both[-3000:]
     with open(out / ".lock", "w") as again:
         fcntl.flock(again, fcntl.LOCK_EX | fcntl.LOCK_NB)
-
-
-@pytest.mark.timeout(180)
-def test_not_a_terminal_gives_log_lines_and_the_summary_lists_real_outputs(tmp_path):
-    # one replica, an --out with a space, --no-plot, stderr a pipe and no --no-bar
-    out = tmp_path / "with space" / "demo"
-    res = _demo(out, "--minutes", "0.03")
-    both = res.stdout + res.stderr
-    assert res.returncode == 0, both[-3000:]
     assert "\r" not in both  # no bar redrawn into a log
-    assert "] epoch 0 step " in res.stdout  # the plain progress lines instead
-    summary = (out / "summary.txt").read_text()
-    assert summary in res.stdout
-    assert "demo.png" not in summary and not (out / "demo.png").exists()  # --no-plot
-    assert f"{out / 'summary.json'}, {out / 'tensorboard'}" in summary
+    assert "] epoch 0 step " in first.stdout  # the plain progress lines instead
+    summary_txt = (out / "summary.txt").read_text()
+    assert summary_txt in first.stdout
+    assert "demo.png" not in summary_txt and not (out / "demo.png").exists()  # --no-plot
+    assert f"{out / 'summary.json'}, {out / 'tensorboard'}" in summary_txt
     assert json.loads((out / "summary.json").read_text())["replicas"] == 1
 
-
-@pytest.mark.timeout(240)
-def test_a_fresh_run_hides_the_earlier_runs_tensorboard_events(tmp_path):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = tmp_path / "out"
-    first = _demo(out, "--minutes", "0.03", "--no-bar")
-    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    # 3. A fresh run on the same --out: only its own TensorBoard records are left.
     second = _demo(out, "--minutes", "0.03", "--no-bar", "--fresh")
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -1,6 +1,6 @@
 """Review (session 21) of the two commands: Ctrl-C in ``adaptrain simulate``, a simulation's
-progress in a log, a demo interrupted in (or rerun into) its final validation, and the budget a
-finished demo reports.
+progress in a log, and a demo interrupted in (or rerun into) its final validation. (The budget
+a finished demo reports is checked by ``tests/test_demo.py::test_demo_end_to_end``'s rerun.)
 
 Real processes throughout. The simulations replay the Pollux artifact's traces (skipped where
 ``../shared/data/pollux`` is absent); the demos run one replica with budgets of about a second.
@@ -320,22 +320,3 @@ def test_a_rerun_with_the_budget_spent_validates_before_it_finishes(tmp_path):
     assert summary["steps"] == steps  # trained no further
     assert [int(v[1]) for v in summary["valid"]] == [steps]  # but validated the final model
     assert "validation " in (out / "summary.txt").read_text()
-
-
-@pytest.mark.timeout(240)
-def test_a_finished_job_reports_the_budget_it_ran_under(tmp_path):
-    out = tmp_path / "demo"
-    first = _demo(out, 0.02)
-    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
-    assert "of 0.02 min budget" in first.stdout
-    steps = _summary(out)["steps"]
-
-    again = _demo(out, 5)  # a larger budget: the finished job is reported, not trained
-    both = again.stdout + again.stderr
-    assert again.returncode == 0, both[-3000:]
-    assert "of 0.02 min budget" in again.stdout and "of 5 min budget" not in again.stdout
-    assert "of 0.02 min budget" in (out / "summary.txt").read_text()
-    assert "already finished under a 0.02 min budget; --minutes 5 applies to a new job" in both
-    assert "another --out" in both and "--fresh" in both
-    summary = _summary(out)
-    assert summary["steps"] == steps and summary["budget_min"] == 0.02
