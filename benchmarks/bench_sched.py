@@ -28,7 +28,10 @@ The wall times swing with the host's speed at the hour (the heaviest file took 1
 on the code since session 35, ``benchmarks/results/sched.md``), so the header and the closing
 lines give a host probe: the time of 3 M pure-Python additions (median of 3), read before and
 after the runs, the yardstick for comparing wall times taken at different hours (about 0.2 s on
-this host at its fastest).
+this host at its fastest). The header also names numpy's SIMD extensions and the BLAS kernels
+numpy and scipy loaded: the JCTs are deterministic on one host, and readings can be expected to
+agree only between hosts that print the same two lines (``OPENBLAS_CORETYPE=Haswell`` pins the
+kernels on any AVX2 host; sessions 53 and 54, ``benchmarks/results/sched.md``).
 
 Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
 beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
@@ -126,6 +129,28 @@ VARIANTS = {
 }
 # the simulator's rule for new jobs: placed on arrival, or waiting for the next round
 ROUNDS_ONLY = {"pollux", "waterfill-rounds"}
+
+
+def blas_label() -> str:
+    """The BLAS libraries numpy and scipy loaded, with the kernels each chose (threadpoolctl).
+    OpenBLAS picks its kernels by CPU (``Haswell`` on AVX2 hosts, ``SkylakeX`` on AVX-512 ones)
+    unless ``OPENBLAS_CORETYPE`` names them, and they set the summation order of the goodput
+    fits' dot products and of L-BFGS-B's own: with ``OPENBLAS_CORETYPE=Sandybridge`` alone,
+    workload-3 at load 1.0 read 0.930 of stored Pollux under seed 0, against 0.923 with this
+    host's own ``Haswell`` (session 54, ``benchmarks/results/sched.md``)."""
+    import scipy.optimize  # noqa: F401 - loads scipy's own BLAS, which the scan must find
+
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return "BLAS unknown (threadpoolctl not installed)"
+    libs = [
+        f"{info.get('internal_api', '?')} {info.get('version') or '?'} "
+        f"{info.get('architecture') or '?'}"
+        for info in threadpool_info()
+        if info.get("user_api") == "blas"
+    ]
+    return "BLAS: " + (", ".join(libs) or "none found")
 
 
 def simd_label() -> str:
@@ -322,6 +347,7 @@ def main() -> int:
         f"python {platform.python_version()}, {args.processes} simulation(s) at a time"
     )
     print(f"numpy {np.__version__}, scipy {scipy.__version__}, {simd_label()}")
+    print(blas_label())
     if settings:
         given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
         print(f"waterfill*: WaterfillPolicy({given}), the other parameters at their defaults")

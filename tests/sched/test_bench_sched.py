@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -113,6 +114,33 @@ def test_simd_label_names_found_and_missing_extensions(bench):
         assert ext in label.split(";")[0]
     for ext in simd.get("not found", []):
         assert ext in label.split("not found:")[1]
+
+
+def test_blas_label_names_the_kernels_and_follows_openblas_coretype(bench):
+    """The header's BLAS line names each library's kernels; ``OPENBLAS_CORETYPE`` (read when
+    OpenBLAS loads, hence a fresh interpreter) changes them, and the line shows it."""
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    import scipy.optimize  # noqa: F401 - loads scipy's BLAS
+
+    label = bench.blas_label()
+    blas = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
+    assert label.startswith("BLAS: ") and blas
+    for info in blas:
+        assert f"{info['internal_api']} {info['version']} {info['architecture']}" in label
+    if not all(i["internal_api"] == "openblas" for i in blas):
+        pytest.skip("OPENBLAS_CORETYPE applies to OpenBLAS only")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("an x86 OpenBLAS kernel name")
+    code = (
+        f"import sys; sys.path.insert(0, {os.path.dirname(BENCH)!r}); "
+        "import bench_sched; print(bench_sched.blas_label())"
+    )
+    env = dict(os.environ, OPENBLAS_CORETYPE="Prescott")  # SSE3 kernels: any x86-64 runs them
+    other = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert other.stdout.startswith("BLAS: ") and other.stdout.strip() != label
 
 
 def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
