@@ -126,7 +126,8 @@ def test_blas_label_names_the_kernels_and_follows_openblas_coretype(bench):
     blas = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
     assert label.startswith("BLAS: ") and blas
     for info in blas:
-        assert f"{info['internal_api']} {info['version']} {info['architecture']}" in label
+        version, kernels = info.get("version") or "?", info.get("architecture") or "?"
+        assert f"{info['internal_api']} {version} {kernels}" in label
     if not all(i["internal_api"] == "openblas" for i in blas):
         pytest.skip("OPENBLAS_CORETYPE applies to OpenBLAS only")
     if platform.machine().lower() not in ("x86_64", "amd64"):

@@ -35,7 +35,9 @@ def _run(cmd: list[str]) -> str:
 
 def _run_script(rank: int, world_size: int, path: str, argv: list[str]) -> str:
     """Run ``path`` as ``__main__`` with ``argv`` in a standalone environment (no rendezvous
-    or ``ADAPTRAIN_*`` variables, as ``python path ...`` from a shell); its stdout."""
+    or ``ADAPTRAIN_*`` variables, as ``python path ...`` from a shell, except that the script's
+    folder is not put first on ``sys.path``: the tutorial's steps import nothing from it); its
+    stdout."""
     import contextlib
     import io
     import runpy
