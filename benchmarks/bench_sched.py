@@ -150,7 +150,8 @@ def blas_label() -> str:
         for info in threadpool_info()
         if info.get("user_api") == "blas"
     ]
-    return "BLAS: " + (", ".join(libs) or "none found")
+    # sorted: threadpoolctl lists the libraries in an order that can change from run to run
+    return "BLAS: " + (", ".join(sorted(libs)) or "none found")
 
 
 def simd_label() -> str:
