@@ -120,9 +120,7 @@ def test_blas_label_names_the_kernels_and_follows_openblas_coretype(bench):
     """The header's BLAS line names each library's kernels; ``OPENBLAS_CORETYPE`` (read when
     OpenBLAS loads, hence a fresh interpreter) changes them, and the line shows it."""
     threadpoolctl = pytest.importorskip("threadpoolctl")
-    import scipy.optimize  # noqa: F401 - loads scipy's BLAS
-
-    label = bench.blas_label()
+    label = bench.blas_label()  # imports scipy.optimize, which loads scipy's BLAS
     blas = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
     assert label.startswith("BLAS: ") and blas
     for info in blas:

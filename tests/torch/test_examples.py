@@ -20,9 +20,16 @@ EXAMPLES = ROOT / "examples"
 TIMEOUT = 240
 
 
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
+
+
+def _launcher_set(key: str) -> bool:
+    """Whether ``key`` is a variable a launcher sets (a script run from a shell sees none)."""
+    return key in _RENDEZVOUS or key.startswith("ADAPTRAIN_")
+
+
 def _env() -> dict[str, str]:
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("ADAPTRAIN_")}
+    env = {k: v for k, v in os.environ.items() if not _launcher_set(k)}
     env["OMP_NUM_THREADS"] = "1"
     return env
 
@@ -42,10 +49,8 @@ def _run_script(rank: int, world_size: int, path: str, argv: list[str]) -> str:
     import io
     import runpy
 
-    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-    for key in list(os.environ):
-        if key in drop or key.startswith("ADAPTRAIN_"):
-            del os.environ[key]
+    for key in [k for k in os.environ if _launcher_set(k)]:
+        del os.environ[key]
     sys.argv = [path, *argv]
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
