@@ -181,10 +181,15 @@ class PolluxPolicy:
 
     # ---- problem setup ----------------------------------------------------------------------
     def _setup(
-        self, jobs: list[JobInfo], nodes: list[NodeInfo], base: np.ndarray | None = None
+        self,
+        jobs: list[JobInfo],
+        nodes: list[NodeInfo],
+        base: np.ndarray | None = None,
+        extra: Sequence[np.ndarray] = (),
     ) -> None:
         """Tables for ``jobs`` on ``nodes`` (at least one GPU in all). ``base`` (jobs x nodes)
-        is the current allocation: a non-preemptible job's non-empty row is pinned."""
+        is the current allocation: a non-preemptible job's non-empty row is pinned. ``extra``:
+        other (jobs x nodes) matrices the caller evaluates without repair (a seed)."""
         J = len(jobs)
         self._cap = np.array([n.gpus for n in nodes], dtype=np.int64)
         if self._cap.max(initial=0) > np.iinfo(_STATE_DTYPE).max:
@@ -207,6 +212,7 @@ class PolluxPolicy:
         rmax = int(min(self._max_rep.max(initial=1), total))
         nmax = min(N, self.max_nodes_per_job, rmax)
         self._nmax, self._rmax = nmax, rmax
+        self._cells = self._table_cells(base, extra)
         self._table = self._speedup_table(jobs, fair_nodes, fair_replicas)
         self._scale = self._share * N
         restarts = np.array([j.num_restarts for j in jobs], dtype=np.float64)
@@ -220,15 +226,38 @@ class PolluxPolicy:
             where=(age + d) > 0,
         )
 
+    def _table_cells(self, base: np.ndarray, extra: Sequence[np.ndarray] = ()) -> np.ndarray:
+        """The (nodes, replicas) cells of the speedup table a search can look up, (nmax + 1,
+        rmax + 1) booleans: ``1 <= n <= r`` with ``r`` at most what the ``n`` largest nodes
+        hold (a repaired candidate keeps within the nodes' capacities), the row ``n = nmax``
+        (where :meth:`_speedups` clips a larger count of nodes), and the cells of the rows of
+        ``base`` and ``extra``, which are evaluated without repair.
+
+        Only these cells are computed. Each one is a goodput search over tens of batch sizes
+        (memoised per job model, whose gradient statistics change every epoch), and on nodes
+        of 4 GPUs up to about half of the ``n <= r`` grid lies beyond capacity, never looked up. A
+        speedup is computed cell by cell, so the cells looked up read as with the whole grid.
+        """
+        nmax, rmax = self._nmax, self._rmax
+        n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
+        most = np.concatenate([[0], np.cumsum(np.sort(self._cap)[::-1])])[: nmax + 1]
+        cells = (n_grid >= 1) & (n_grid <= r_grid) & ((r_grid <= most[:, None]) | (n_grid == nmax))
+        for states in (base, *extra):
+            states = np.asarray(states, dtype=_STATE_DTYPE)[None]
+            n = np.minimum(count_nodes(states), nmax)
+            r = np.minimum(sum_nodes(states), rmax)
+            cells[n[n > 0], r[n > 0]] = True
+        return cells
+
     def _speedup_table(
         self, jobs: list[JobInfo], fair_nodes: int, fair_replicas: int
     ) -> np.ndarray:
         """Speedups ``S[j, n, r]`` for ``n <= _nmax`` nodes and ``r <= _rmax`` replicas,
-        rebased to the fair share (``fair_nodes``, ``fair_replicas``); 0 where ``n > r`` or
-        ``r`` exceeds the job's maximum."""
+        rebased to the fair share (``fair_nodes``, ``fair_replicas``), on the cells of
+        :meth:`_table_cells`; 0 elsewhere and where ``r`` exceeds the job's maximum."""
         nmax, rmax = self._nmax, self._rmax
         n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
-        valid = (n_grid >= 1) & (n_grid <= r_grid)
+        valid = self._cells
         table = np.zeros((len(jobs), nmax + 1, rmax + 1))
         for j, job in enumerate(jobs):
             fn = job.speedup_fn
