@@ -29,7 +29,7 @@ def _speedup(a: float, c: float):
 
 
 def _whole_grid(self, base, extra=()):
-    n, r = np.meshgrid(np.arange(self._nmax + 1), np.arange(self._rmax + 1), indexing="ij")
+    n, r = self._grid()
     return (n >= 1) & (n <= r)
 
 

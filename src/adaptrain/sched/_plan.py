@@ -102,10 +102,9 @@ class WeightedGeneticSearch(PolluxPolicy):
     ) -> np.ndarray:
         """Speedups over one GPU (not rebased to a fair share), clipped at 0, on the cells of
         :meth:`_table_cells`; 0 elsewhere and where ``r`` exceeds the job's maximum."""
-        nmax, rmax = self._nmax, self._rmax
-        n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
+        n_grid, r_grid = self._grid()
         valid = self._cells
-        table = np.zeros((len(jobs), nmax + 1, rmax + 1))
+        table = np.zeros((len(jobs), *valid.shape))
         for j, job in enumerate(jobs):
             ok = valid & (r_grid <= job.max_replicas)
             fn = job.speedup_fn

@@ -239,15 +239,20 @@ class PolluxPolicy:
         speedup is computed cell by cell, so the cells looked up read as with the whole grid.
         """
         nmax, rmax = self._nmax, self._rmax
-        n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
+        n_grid, r_grid = self._grid()
         most = np.concatenate([[0], np.cumsum(np.sort(self._cap)[::-1])])[: nmax + 1]
         cells = (n_grid >= 1) & (n_grid <= r_grid) & ((r_grid <= most[:, None]) | (n_grid == nmax))
         for states in (base, *extra):
             states = np.asarray(states, dtype=_STATE_DTYPE)[None]
             n = np.minimum(count_nodes(states), nmax)
             r = np.minimum(sum_nodes(states), rmax)
-            cells[n[n > 0], r[n > 0]] = True
+            on = n > 0  # a job without GPUs reads the table's (0, 0), always 0
+            cells[n[on], r[on]] = True
         return cells
+
+    def _grid(self) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes and the replicas of each cell of a (nmax + 1, rmax + 1) speedup table."""
+        return np.meshgrid(np.arange(self._nmax + 1), np.arange(self._rmax + 1), indexing="ij")
 
     def _speedup_table(
         self, jobs: list[JobInfo], fair_nodes: int, fair_replicas: int
@@ -255,10 +260,9 @@ class PolluxPolicy:
         """Speedups ``S[j, n, r]`` for ``n <= _nmax`` nodes and ``r <= _rmax`` replicas,
         rebased to the fair share (``fair_nodes``, ``fair_replicas``), on the cells of
         :meth:`_table_cells`; 0 elsewhere and where ``r`` exceeds the job's maximum."""
-        nmax, rmax = self._nmax, self._rmax
-        n_grid, r_grid = np.meshgrid(np.arange(nmax + 1), np.arange(rmax + 1), indexing="ij")
+        n_grid, r_grid = self._grid()
         valid = self._cells
-        table = np.zeros((len(jobs), nmax + 1, rmax + 1))
+        table = np.zeros((len(jobs), *valid.shape))
         for j, job in enumerate(jobs):
             fn = job.speedup_fn
             if fn is None:
