@@ -325,6 +325,13 @@ def main() -> int:
         help="simulations run side by side (default 1); wall times then include the contention",
     )
     parser.add_argument(
+        "--fit-workers",
+        type=int,
+        default=None,
+        help="processes per simulation that compute the jobs' goodput refits ahead, while the "
+        "policy decides (the same results); default 1 with --processes 1 on >= 2 cpus, else 0",
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -337,6 +344,10 @@ def main() -> int:
         parser.error("no traces found; pass --traces DIR")
     if args.processes < 1:
         parser.error(f"--processes {args.processes} must be >= 1")
+    if args.fit_workers is None:
+        args.fit_workers = 1 if args.processes == 1 and (os.cpu_count() or 1) >= 2 else 0
+    if args.fit_workers < 0:
+        parser.error(f"--fit-workers {args.fit_workers} must be >= 0")
     try:
         settings = parse_settings(args.set)
     except ValueError as e:
@@ -345,7 +356,8 @@ def main() -> int:
         parser.error("--set configures the waterfill policy: add waterfill to --policies")
     print(
         f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, "
-        f"python {platform.python_version()}, {args.processes} simulation(s) at a time"
+        f"python {platform.python_version()}, {args.processes} simulation(s) at a time, "
+        f"{args.fit_workers} fit worker(s) each"
     )
     print(f"numpy {np.__version__}, scipy {scipy.__version__}, {simd_label()}")
     print(blas_label())
@@ -360,7 +372,15 @@ def main() -> int:
     )
     groups = [
         [
-            (args.traces, load, wl, pol, seed, settings if pol == "waterfill" else {})
+            (
+                args.traces,
+                load,
+                wl,
+                pol,
+                seed,
+                settings if pol == "waterfill" else {},
+                args.fit_workers,
+            )
             for seed in (args.seed[:1] if pol in DETERMINISTIC else args.seed)
         ]
         for load in args.load
@@ -435,9 +455,11 @@ def _applications(traces: str) -> dict:
 
 
 def _run(task: tuple) -> dict:
-    """One simulation, ``task = (traces, load, workload number, policy, seed, settings)``
-    (``settings``: :func:`parse_settings`'s keyword arguments, or empty): its row."""
-    traces, load, wl, pol, seed, settings = task
+    """One simulation, ``task = (traces, load, workload number, policy, seed, settings[,
+    fit_workers])`` (``settings``: :func:`parse_settings`'s keyword arguments, or empty;
+    ``fit_workers``: the simulator's, default 0): its row."""
+    traces, load, wl, pol, seed, settings, *rest = task
+    fit_workers = rest[0] if rest else 0
     data_dir = os.path.dirname(os.path.normpath(traces))
     wdir = "workloads" if load == "1.0" else f"workloads-{load}"
     name = f"workload-{wl}"
@@ -448,6 +470,7 @@ def _run(task: tuple) -> dict:
         _applications(traces),
         _policy(pol, seed, settings),
         arrival_allocation=pol not in ROUNDS_ONLY,
+        fit_workers=fit_workers,
     ).run()
     wall = time.perf_counter() - t0
     s = res.summary()

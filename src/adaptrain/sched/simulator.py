@@ -48,7 +48,7 @@ import math
 import sys
 import time as _time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -438,7 +438,14 @@ class SimResult:
 
 
 class Simulator:
-    """A cluster of ``num_nodes`` x ``gpus_per_node`` GPUs replaying a workload under a policy."""
+    """A cluster of ``num_nodes`` x ``gpus_per_node`` GPUs replaying a workload under a policy.
+
+    ``fit_workers`` > 0 computes the adaptive jobs' goodput refits ahead in that many worker
+    processes while the policy decides each round (:mod:`adaptrain.sched._prefetch`), with the
+    same results bit for bit: 1 uses the second core of a 2-core machine. The workers live
+    for one :meth:`run` and start with ``spawn``, so a script that simulates with them must
+    guard its entry point with ``if __name__ == "__main__":``.
+    """
 
     def __init__(
         self,
@@ -454,6 +461,7 @@ class Simulator:
         check: bool = True,
         record_timeline: bool = False,
         arrival_allocation: bool = True,
+        fit_workers: int = 0,
     ) -> None:
         if not (math.isfinite(interval) and interval > 0):
             raise ValueError(f"interval={interval} must be a finite number of seconds > 0")
@@ -472,9 +480,19 @@ class Simulator:
                 f"interference={interference} must lie in [0, 1): the fraction of goodput a "
                 "multi-node job loses on shared nodes (1 would stop it)"
             )
+        if isinstance(fit_workers, bool) or not isinstance(fit_workers, int) or fit_workers < 0:
+            raise ValueError(
+                f"fit_workers={fit_workers!r} must be an int >= 0 (0: no worker processes; "
+                "1 on a 2-core machine)"
+            )
         _check_unique_names([w.name for w in workload])
         _check_gpus_per_node(gpus_per_node, workload, applications)
         self.policy = policy
+        self.applications = applications
+        self.fit_workers = fit_workers
+        self._prefetch = None  # a FitPrefetcher while run() holds workers
+        #: what the fit workers did in the last run() (:meth:`FitPrefetcher.stats`), or {}
+        self.prefetch_stats: dict[str, float] = {}
         self.kind = job_kind_for_policy(getattr(policy, "name", ""))
         self.num_nodes = num_nodes
         self.gpus_per_node = gpus_per_node
@@ -601,20 +619,14 @@ class Simulator:
     def step(self) -> None:
         """One scheduling round: advance jobs by ``interval``, then re-run the policy."""
         seconds = self.interval
-        interfere_nodes: set[int] = set()
-        if self.interference:
-            count: dict[int, int] = {}
-            for alloc in self.allocations.values():
-                if len(set(alloc)) > 1:
-                    for n in set(alloc):
-                        count[n] = count.get(n, 0) + 1
-            interfere_nodes = {n for n, c in count.items() if c > 1}
+        interfere_nodes = self._interfere_nodes()
         start, end = self.current_time, self.current_time + seconds
         # before the first round (at ``start``) a job submitted at ``start`` is an arrival too
         arriving = self._arriving(start, end, first=not self.used_gpu_rounds)
-        for job in self.jobs:
-            if job.name in arriving:
-                continue
+        running: Iterable[SimJob] = [j for j in self.jobs if j.name not in arriving]
+        if self._prefetch is not None:  # each job once its fits computed ahead are in
+            running = self._prefetch.order(running)
+        for job in running:
             job.step(seconds, interference=self._slowdown(job.name, interfere_nodes))
         for job in arriving.values():  # in order of submission, after the running jobs
             self._arrive(job, start, end, interfere_nodes)
@@ -624,17 +636,32 @@ class Simulator:
             infos = {j.name: self.job_info(j) for j in active}
             nodes = self.node_infos()
             base = {k: v for k, v in self.allocations.items() if k in infos}
+            if self._prefetch is not None:  # step the jobs ahead while the policy decides
+                shared = self._interfere_nodes()
+                self._prefetch.submit(
+                    active, self.interval, lambda j: self._slowdown(j.name, shared)
+                )
             t0 = _time.perf_counter()
             allocations = self.policy.optimize(infos, nodes, base, self.current_time)
             self.policy_seconds.append(_time.perf_counter() - t0)
             allocations = {k: list(v) for k, v in allocations.items() if v}
             if self.check:
                 check_allocations(allocations, infos, nodes, policy=self.policy)
+            moved = []  # jobs on a new placement (not on equal counts on other nodes)
             for job in self.jobs:
                 new, old = allocations.get(job.name), base.get(job.name)
                 if new != old:
+                    placement = job.placement
                     job.reallocate(_placement(new or []))
+                    if job.placement != placement:
+                        moved.append(job)
             self.allocations = allocations
+            if self._prefetch is not None:  # their copies stepped on the old placement
+                self._prefetch.discard(j.name for j in moved)
+                shared = self._interfere_nodes()
+                self._prefetch.submit(
+                    moved, self.interval, lambda j: self._slowdown(j.name, shared), late=True
+                )
         else:
             self.allocations = {}
         self.used_gpu_rounds.append(sum(len(a) for a in self.allocations.values()))
@@ -645,6 +672,17 @@ class Simulator:
                     "allocations": {k: len(v) for k, v in self.allocations.items()},
                 }
             )
+
+    def _interfere_nodes(self) -> set[int]:
+        """Nodes that two or more multi-node jobs share (none without ``interference``)."""
+        if not self.interference:
+            return set()
+        count: dict[int, int] = {}
+        for alloc in self.allocations.values():
+            if len(set(alloc)) > 1:
+                for n in set(alloc):
+                    count[n] = count.get(n, 0) + 1
+        return {n for n, c in count.items() if c > 1}
 
     def _slowdown(self, name: str, interfere_nodes: set[int]) -> float:
         alloc_set = set(self.allocations.get(name, ()))
@@ -726,6 +764,10 @@ class Simulator:
         idle_rounds = 0
         shown = _Progress(self) if progress else None
         finished = False
+        if self.fit_workers and self.kind == "adaptive":
+            from ._prefetch import FitPrefetcher
+
+            self._prefetch = FitPrefetcher(self.applications, self.fit_workers)
         try:
             while not self.all_complete():
                 if max_time is not None and self.current_time >= max_time:
@@ -751,6 +793,10 @@ class Simulator:
                     callback(self)
             finished = True
         finally:  # the bar ends its line also on Ctrl-C or a stall
+            if self._prefetch is not None:
+                self._prefetch.close()
+                self.prefetch_stats = self._prefetch.stats()
+                self._prefetch = None
             if shown is not None:
                 shown.close(self, finished)
         jcts = {

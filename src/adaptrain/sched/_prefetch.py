@@ -1,0 +1,328 @@
+"""Goodput refits computed ahead in worker processes, while the policy decides a round.
+
+A simulated adaptive job refits its goodput model (``fit_perf_params``, tens of milliseconds)
+whenever it meets a new (nodes, replicas, local batch) configuration: after a restart, and
+after an epoch whose gradient statistics change its batch size. The fits are a third of a
+large simulation's time, and they run on the critical path: the policy of the next round needs
+them. Yet most of them are predictable before the policy has decided. A job that keeps its
+placement, as most do in most rounds, steps through the next interval exactly as it would on
+its current placement, and that needs nothing the policy computes.
+
+So while the policy runs, :class:`FitPrefetcher` hands a copy of every running adaptive job to a
+worker process, which steps it through the next interval on its current placement and records
+every fit and batch-size choice it makes. Before the jobs really step, the simulator takes
+those into its memos. A job the policy leaves in place then finds its fits done; a job it moves
+meets other configurations, and the work spent on its copy is lost.
+
+The memos hold pure functions of their keys, so a simulation reads the same, bit for bit, with
+or without prefetching: the workers are processes of the same interpreter and libraries, and
+a fit limits BLAS to one thread. A worker that fails only stops the prefetching (a warning);
+the simulation goes on computing every fit itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import islice
+from typing import Any
+
+from . import simulator as _sim
+from .traces import Application
+
+logger = logging.getLogger(__name__)
+
+# Task slots in the shared claim table, reused round-robin: at most half of them pending at
+# once (a round submits at most two tasks per running job), so a slot is free when reused.
+_SLOTS = 1 << 16
+_FREE, _WORKER, _CALLER = 0, 1, 2  # who runs a task: nobody yet, a worker, the caller
+_STOP = None  # the message that ends a worker
+
+
+def _newest(cache: dict, before: int) -> list[tuple[Any, Any]]:
+    """The entries added to ``cache`` since it held ``before`` (fewer if some were evicted)."""
+    return list(islice(reversed(cache.items()), max(len(cache) - before, 0)))
+
+
+def _speculate(
+    apps: Mapping[str, Application], state: bytes, seconds: float
+) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+    """Step a job's copy ``seconds`` on its placement (``state``: its pickled ``(attributes,
+    interference)``); the fit and batch-size memo entries made, newest first."""
+    fits, bszs = len(_sim._FIT_CACHE), len(_sim._BSZ_CACHE)
+    attributes, interference = pickle.loads(state)
+    job = _sim.SimJob.__new__(_sim.SimJob)
+    job.__dict__.update(attributes)
+    job.app = apps[attributes["app"]]
+    job.step(seconds, interference=interference)
+    return _newest(_sim._FIT_CACHE, fits), _newest(_sim._BSZ_CACHE, bszs)
+
+
+def _worker(tasks, results, claims, owners, lock, apps: dict[str, Application]) -> None:
+    """A worker process: claim each task still free, run it, send its memo entries back."""
+    # Ctrl-C reaches the whole process group: the simulating process handles it and closes
+    # its workers, which must not print a traceback of their own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        task = tasks.get()
+        if task is _STOP:
+            return
+        seq, state, seconds = task
+        slot = seq % _SLOTS
+        with lock:
+            if owners[slot] != seq or claims[slot] != _FREE:
+                continue  # dropped, or the caller runs it
+            claims[slot] = _WORKER
+        start = time.perf_counter()
+        try:
+            out, error = _speculate(apps, state, seconds), None
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which stops
+            out, error = None, f"{type(exc).__name__}: {exc}"
+        results.put((seq, out, error, time.perf_counter() - start))
+
+
+def _job_state(job: _sim.SimJob) -> dict:
+    """What a worker needs of ``job`` to step a copy: its attributes, the application by name."""
+    state = dict(job.__dict__)
+    state["app"] = job.app.name
+    return state
+
+
+class FitPrefetcher:
+    """Steps copies of the running adaptive jobs ahead in ``workers`` processes (see module).
+
+    Each round: :meth:`submit` the running jobs before the policy runs (one task per job),
+    :meth:`discard` those the policy moved, :meth:`submit` those with ``late=True`` (their
+    first fits on the new placement), and step the jobs in the :meth:`order` it yields them:
+    each once its task's results are in the memos, or once the caller has claimed a task no
+    worker had started (the caller then computes that job's fits itself). So the caller and
+    the workers share a round's tasks, from the two ends of the queue. A shared table of
+    claims, under a lock, makes sure each task runs once.
+
+    Use as a context manager, or call :meth:`close`: it owns the worker processes. They are
+    started with the ``spawn`` method (no fork of a process that may hold BLAS or torch
+    threads: a script that simulates with workers must guard its entry point with
+    ``if __name__ == "__main__":``) and receive ``applications`` once.
+    """
+
+    def __init__(self, applications: Mapping[str, Application], workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"workers={workers} must be >= 1 (0: do not create a prefetcher)")
+        ctx = multiprocessing.get_context("spawn")
+        self.workers = workers
+        self._tasks = ctx.Queue()  # (its feeder thread writes: no put waits for a worker)
+        self._results = ctx.Queue()
+        self._claims = ctx.RawArray("b", _SLOTS)
+        self._owners = ctx.RawArray("q", [-1] * _SLOTS)  # the task that holds each slot
+        self._lock = ctx.Lock()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(self._tasks, self._results, self._claims, self._owners, self._lock),
+                kwargs={"apps": dict(applications)},
+                daemon=True,
+                name=f"adaptrain-fit-prefetch-{i}",
+            )
+            for i in range(workers)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._seq = 0
+        self._pending: dict[str, int] = {}  # job name -> its task
+        self._done: dict[int, tuple] = {}  # results received for pending tasks
+        self.active = True
+        #: fits and batch-size choices taken from the workers into the memos
+        self.fits_taken = 0
+        self.bszs_taken = 0
+        #: tasks the workers ran and whose results were received, of them taken, and the
+        #: seconds the workers spent on them
+        self.tasks_run = 0
+        self.tasks_taken = 0
+        self.tasks_claimed = 0  # by the caller, in order(): it computed those fits itself
+        self.worker_seconds = 0.0
+
+    def submit(
+        self,
+        jobs: Iterable[_sim.SimJob],
+        seconds: float,
+        interference: Callable[[_sim.SimJob], float],
+        *,
+        late: bool = False,
+    ) -> None:
+        """Queue copies of ``jobs`` (those running and adaptive) to step ``seconds`` ahead;
+        ``interference(job)`` is the goodput fraction a job loses on shared nodes.
+
+        Before the policy (``late=False``) this drops the tasks of an earlier round not taken;
+        after it (``late=True``) it adds the jobs the policy placed anew.
+        """
+        if not late:
+            self.discard(list(self._pending))
+        if not self.active:
+            return
+        for job in jobs:
+            if not (job.adaptive and job.placement and job.completion_time is None):
+                continue
+            if len(self._pending) >= _SLOTS // 2:  # (more than 16 000 running jobs)
+                break
+            seq, slot = self._seq, self._seq % _SLOTS
+            self._seq += 1
+            with self._lock:
+                self._owners[slot] = seq
+                self._claims[slot] = _FREE
+            state = pickle.dumps((_job_state(job), interference(job)), pickle.HIGHEST_PROTOCOL)
+            self._tasks.put((seq, state, seconds))
+            self._pending[job.name] = seq
+
+    def discard(self, names: Iterable[str]) -> None:
+        """Forget the tasks of jobs ``names`` (their copies stepped on a placement they no
+        longer have): a task no worker has claimed is skipped."""
+        for name in names:
+            seq = self._pending.pop(name, None)
+            if seq is not None:
+                self._claim(seq)
+                self._done.pop(seq, None)
+
+    def _claim(self, seq: int) -> bool:
+        """Claim task ``seq`` for the caller; False if a worker holds it."""
+        slot = seq % _SLOTS
+        with self._lock:
+            if self._owners[slot] == seq and self._claims[slot] == _FREE:
+                self._claims[slot] = _CALLER
+                return True
+            return False
+
+    def order(self, jobs: Iterable[_sim.SimJob]) -> Iterator[_sim.SimJob]:
+        """Yield ``jobs`` in the order to step them, each once its fits are in the memos or
+        left to the caller (jobs step independently: the order changes no result).
+
+        First the jobs without a task; then, of the others, any whose task has finished (its
+        fit and batch-size entries put into the memos: entries already there are kept, both
+        being the same pure function of the key); else one whose task no worker has claimed,
+        which the caller claims (it computes that job's fits itself as it steps), from the back
+        of the queue, away from the workers; and when the workers hold every task left, the
+        first to finish.
+        """
+        waiting = []
+        for job in jobs:
+            if job.name in self._pending:
+                waiting.append(job)
+            else:
+                yield job
+        waiting.sort(key=lambda j: self._pending[j.name])  # the order the workers take them
+        while waiting:
+            if not self.active:  # stopped: the caller computes the rest
+                yield from waiting
+                return
+            self._receive(block=False)
+            ready = [j for j in waiting if self._pending[j.name] in self._done]
+            if ready:
+                for job in ready:
+                    waiting.remove(job)
+                    seq = self._pending.pop(job.name, None)
+                    if seq is not None and self.active:  # (a failed task stops prefetching)
+                        self._merge(seq)
+                    yield job
+                continue
+            for job in reversed(waiting):
+                if self._claim(self._pending[job.name]):
+                    waiting.remove(job)
+                    del self._pending[job.name]
+                    self.tasks_claimed += 1
+                    yield job
+                    break
+            else:
+                self._receive(block=True)
+
+    def _merge(self, seq: int) -> None:
+        _, out, error, _ = self._done.pop(seq)
+        if error is not None:
+            self._stop(error)
+            return
+        self.tasks_taken += 1
+        fits, bszs = out
+        for cache, limit, entries in (
+            (_sim._FIT_CACHE, _sim._FIT_CACHE_MAX, fits),
+            (_sim._BSZ_CACHE, _sim._BSZ_CACHE_MAX, bszs),
+        ):
+            for key, value in reversed(entries):  # in the order the worker made them
+                if key not in cache:
+                    _sim._cache_put(cache, key, value, limit)
+                    if cache is _sim._FIT_CACHE:
+                        self.fits_taken += 1
+                    else:
+                        self.bszs_taken += 1
+
+    def _receive(self, block: bool) -> None:
+        """Receive the results there are (``block``: at least one), keeping those of pending
+        tasks; stop prefetching if a worker died."""
+        wanted = set(self._pending.values())
+        while True:
+            try:
+                item = self._results.get(timeout=1.0) if block else self._results.get_nowait()
+            except queue.Empty:
+                if not block:
+                    return
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._stop(f"worker(s) {dead} exited")
+                    return
+                continue
+            self.worker_seconds += item[3]
+            self.tasks_run += 1
+            if item[0] in wanted:
+                self._done[item[0]] = item
+            block = False
+
+    def stats(self) -> dict[str, float]:
+        """What the workers did: tasks submitted, run (results received), taken (results put
+        into the memos), claimed by the caller instead, fits and batch sizes taken, and the
+        workers' seconds on the tasks run."""
+        return {
+            "tasks_submitted": self._seq,
+            "tasks_run": self.tasks_run,
+            "tasks_taken": self.tasks_taken,
+            "tasks_claimed": self.tasks_claimed,
+            "fits_taken": self.fits_taken,
+            "bszs_taken": self.bszs_taken,
+            "worker_seconds": self.worker_seconds,
+        }
+
+    def _stop(self, reason: str) -> None:
+        logger.warning(
+            "goodput prefetching stopped (%s); the simulation computes every fit itself from "
+            "here, with the same results",
+            reason,
+        )
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (tasks not taken are dropped)."""
+        if not self.active:
+            return
+        self.active = False
+        self._pending, self._done = {}, {}
+        with self._lock:  # no worker starts another task
+            for slot in range(_SLOTS):
+                if self._claims[slot] == _FREE:
+                    self._claims[slot] = _CALLER
+        for _ in self._procs:
+            self._tasks.put(_STOP)
+        for proc in self._procs:
+            proc.join(timeout=10.0)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
+        for q in (self._tasks, self._results):
+            q.close()
+            q.cancel_join_thread()  # nobody reads them any more
+
+    def __enter__(self) -> FitPrefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

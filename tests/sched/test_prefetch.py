@@ -1,0 +1,93 @@
+"""Goodput refits computed ahead in a worker process: the same simulation, bit for bit."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from adaptrain.sched import SimJob, Simulator, WaterfillPolicy, load_applications, load_workload
+from adaptrain.sched import simulator as sim_mod
+from adaptrain.sched._prefetch import FitPrefetcher
+
+
+def _clear_memos() -> None:
+    for memo in (sim_mod._FIT_CACHE, sim_mod._BSZ_CACHE, sim_mod._SPEEDUP_CACHE):
+        memo.clear()
+
+
+def _job_state(job: SimJob) -> dict:
+    state = {k: v for k, v in vars(job).items() if k != "app"}
+    state["perf_params"] = None if job.perf_params is None else tuple(job.perf_params)
+    return state
+
+
+def test_fits_computed_ahead_change_nothing(real_data):
+    # Workload-6's first 12 jobs on 16 GPUs for 2 hours (the policy's local search alone, to
+    # bound the test's time), with every memo empty before each run, so that the workers' fits
+    # are the ones the jobs use.
+    apps = load_applications(os.path.join(real_data, "traces"))
+    work = load_workload(os.path.join(real_data, "workloads", "workload-6.csv"))[:12]
+
+    def run(workers: int) -> tuple[Simulator, object]:
+        _clear_memos()
+        policy = WaterfillPolicy(search="local")
+        sim = Simulator(work, apps, policy, num_nodes=4, fit_workers=workers)
+        return sim, sim.run(max_time=2 * 3600)
+
+    ref_sim, ref = run(0)
+    sim, res = run(1)
+    assert ref_sim.prefetch_stats == {}
+    stats = sim.prefetch_stats
+    # the workers did fits the jobs then found in the memo, and the caller took some tasks
+    assert stats["fits_taken"] > 10, stats
+    assert stats["tasks_taken"] > 0 and stats["tasks_submitted"] > stats["tasks_taken"], stats
+    assert res.jcts == ref.jcts and len(ref.jcts) >= 5
+    assert res.restarts == ref.restarts
+    assert res.timeline == ref.timeline
+    for a, b in zip(sim.jobs, ref_sim.jobs):
+        assert _job_state(a) == _job_state(b), a.name
+
+
+def test_a_failing_worker_stops_prefetching_and_every_job_still_steps(tiny_traces, caplog):
+    apps = load_applications(tiny_traces)
+    jobs = [SimJob(name, apps["toy"], 0.0, adaptive=True) for name in "abc"]
+    for job in jobs:
+        job.reallocate([1])
+    # the worker knows no application: its task fails
+    with FitPrefetcher({}, workers=1) as prefetch, caplog.at_level(logging.WARNING):
+        prefetch.submit(jobs[:2], 60.0, lambda j: 0.0)
+        prefetch._receive(block=True)  # a worker ran a task (else the caller claims both)
+        order = [j.name for j in prefetch.order(jobs)]
+        assert not prefetch.active
+    assert sorted(order) == ["a", "b", "c"] and order[0] == "c"  # no task: first
+    assert "prefetching stopped" in caplog.text and "KeyError" in caplog.text
+
+
+def test_discarded_and_claimed_tasks_are_not_taken(tiny_traces):
+    apps = load_applications(tiny_traces)
+    jobs = [SimJob(name, apps["toy"], 0.0, adaptive=True) for name in "abcd"]
+    for job in jobs:
+        job.reallocate([1])
+    _clear_memos()
+    with FitPrefetcher(apps, workers=1) as prefetch:
+        prefetch.submit(jobs, 60.0, lambda j: 0.0)
+        prefetch.discard(["b"])
+        stepped = []
+        for job in prefetch.order(jobs):
+            job.step(60.0)
+            stepped.append(job.name)
+        stats = prefetch.stats()
+    assert sorted(stepped) == ["a", "b", "c", "d"]
+    assert stats["tasks_submitted"] == 4
+    # the tasks of a, c and d were each taken from the worker or claimed by the caller; b's
+    # was dropped, so neither
+    assert stats["tasks_taken"] + stats["tasks_claimed"] == 3, stats
+
+
+@pytest.mark.parametrize("workers", [-1, 1.5, True])
+def test_bad_fit_workers_are_rejected(tiny_traces, workers):
+    apps = load_applications(tiny_traces)
+    with pytest.raises(ValueError, match="fit_workers"):
+        Simulator([], apps, WaterfillPolicy(), fit_workers=workers)
