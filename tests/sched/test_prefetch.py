@@ -7,7 +7,14 @@ import os
 
 import pytest
 
-from adaptrain.sched import SimJob, Simulator, WaterfillPolicy, load_applications, load_workload
+from adaptrain.sched import (
+    SimJob,
+    Simulator,
+    WaterfillPolicy,
+    WorkloadJob,
+    load_applications,
+    load_workload,
+)
 from adaptrain.sched import simulator as sim_mod
 from adaptrain.sched._prefetch import FitPrefetcher
 
@@ -91,3 +98,26 @@ def test_bad_fit_workers_are_rejected(tiny_traces, workers):
     apps = load_applications(tiny_traces)
     with pytest.raises(ValueError, match="fit_workers"):
         Simulator([], apps, WaterfillPolicy(), fit_workers=workers)
+
+
+def test_workers_that_cannot_start_leave_a_serial_run(tiny_traces, monkeypatch, caplog):
+    # e.g. inside a daemonic process, which may not have children: a warning, the same run
+    import adaptrain.sched._prefetch as prefetch_mod
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("daemonic processes are not allowed to have children")
+
+    apps = load_applications(tiny_traces)
+    work = [WorkloadJob(name, 60.0 * i, "toy", 1, 8) for i, name in enumerate("ab")]
+
+    def run(workers):
+        policy = WaterfillPolicy(search="local")
+        return Simulator(work, apps, policy, num_nodes=1, fit_workers=workers).run()
+
+    ref = run(0)
+    monkeypatch.setattr(prefetch_mod, "FitPrefetcher", Refused)
+    with caplog.at_level(logging.WARNING):
+        res = run(1)
+    assert "could not start 1 fit worker" in caplog.text and "daemonic" in caplog.text
+    assert res.jcts == ref.jcts and len(res.jcts) == 2

@@ -130,8 +130,15 @@ class FitPrefetcher:
             )
             for i in range(workers)
         ]
-        for proc in self._procs:
-            proc.start()
+        try:
+            for proc in self._procs:
+                proc.start()
+        except BaseException:  # e.g. in a daemonic process, which may not have children
+            for proc in self._procs:
+                if proc.pid is not None:
+                    proc.terminate()
+                    proc.join()
+            raise
         self._seq = 0
         self._pending: dict[str, int] = {}  # job name -> its task
         self._done: dict[int, tuple] = {}  # results received for pending tasks

@@ -767,7 +767,16 @@ class Simulator:
         if self.fit_workers and self.kind == "adaptive":
             from ._prefetch import FitPrefetcher
 
-            self._prefetch = FitPrefetcher(self.applications, self.fit_workers)
+            try:
+                self._prefetch = FitPrefetcher(self.applications, self.fit_workers)
+            except Exception as exc:  # noqa: BLE001 - the workers only save time
+                logger.warning(
+                    "could not start %d fit worker(s) (%s: %s); simulating with every fit in "
+                    "this process (the same results)",
+                    self.fit_workers,
+                    type(exc).__name__,
+                    exc,
+                )
         try:
             while not self.all_complete():
                 if max_time is not None and self.current_time >= max_time:
