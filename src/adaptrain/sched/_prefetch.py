@@ -46,15 +46,27 @@ _STOP = None  # the message that ends a worker
 
 
 def _newest(cache: dict, before: int) -> list[tuple[Any, Any]]:
-    """The entries added to ``cache`` since it held ``before`` (fewer if some were evicted)."""
-    return list(islice(reversed(cache.items()), max(len(cache) - before, 0)))
+    """The entries added to ``cache`` since it held ``before``, oldest first (fewer if some
+    were evicted): read from the end, so the cost is the new entries', not the cache's."""
+    return list(islice(reversed(cache.items()), max(len(cache) - before, 0)))[::-1]
+
+
+def _put_missing(cache: dict, limit: int, entries: list[tuple[Any, Any]]) -> int:
+    """Put the ``entries`` that ``cache`` lacks (entries there are kept: both are the same
+    pure function of the key); how many were put."""
+    put = 0
+    for key, value in entries:
+        if key not in cache:
+            _sim._cache_put(cache, key, value, limit)
+            put += 1
+    return put
 
 
 def _speculate(
     apps: Mapping[str, Application], state: bytes, seconds: float
 ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
     """Step a job's copy ``seconds`` on its placement (``state``: its pickled ``(attributes,
-    interference)``); the fit and batch-size memo entries made, newest first."""
+    interference)``); the fit and batch-size memo entries made, in the order made."""
     fits, bszs = len(_sim._FIT_CACHE), len(_sim._BSZ_CACHE)
     attributes, interference = pickle.loads(state)
     job = _sim.SimJob.__new__(_sim.SimJob)
@@ -253,17 +265,8 @@ class FitPrefetcher:
             return
         self.tasks_taken += 1
         fits, bszs = out
-        for cache, limit, entries in (
-            (_sim._FIT_CACHE, _sim._FIT_CACHE_MAX, fits),
-            (_sim._BSZ_CACHE, _sim._BSZ_CACHE_MAX, bszs),
-        ):
-            for key, value in reversed(entries):  # in the order the worker made them
-                if key not in cache:
-                    _sim._cache_put(cache, key, value, limit)
-                    if cache is _sim._FIT_CACHE:
-                        self.fits_taken += 1
-                    else:
-                        self.bszs_taken += 1
+        self.fits_taken += _put_missing(_sim._FIT_CACHE, _sim._FIT_CACHE_MAX, fits)
+        self.bszs_taken += _put_missing(_sim._BSZ_CACHE, _sim._BSZ_CACHE_MAX, bszs)
 
     def _receive(self, block: bool) -> None:
         """Receive the results there are (``block``: at least one), keeping those of pending
