@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from . import _kernels
 from ._counts import rows_differ, sum_nodes
 from .policy_base import Allocation, JobInfo, NodeInfo
 from .pollux import PolluxPolicy, _crowding, nondominated_ranks
@@ -113,6 +114,25 @@ class WeightedGeneticSearch(PolluxPolicy):
         return table
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """Per candidate ``(-FITNESS, -utility)``, both minimised; compiled where numba is
+        installed (:mod:`adaptrain.sched._kernels`, the same values)."""
+        if _kernels.AVAILABLE:
+            return _kernels.evaluate_weighted(
+                states,
+                base,
+                self._table,
+                self._nmax,
+                self._rmax,
+                self._restart_factor,
+                self._grow_costs,
+                self._weights,
+                self._cap,
+                _UNSCHEDULED_PENALTY,
+            )
+        return self._evaluate_numpy(states, base)
+
+    def _evaluate_numpy(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """:meth:`_evaluate` in numpy."""
         reps = sum_nodes(states)  # (candidates, jobs), shared by the terms below
         speedups = self._speedups(states, reps)
         restart = rows_differ(states, base)

@@ -21,6 +21,9 @@ final population warm-starts the next round. The returned allocation maximises t
 The NSGA-II machinery (non-dominated sorting, crowding distance) is vectorised numpy over the
 whole population, as the issue allows; ``tests/sched/test_policies.py`` checks both against
 pymoo's implementations (ranks equal; crowding equal up to pymoo's averaging over objectives).
+With numba installed, the non-dominated sorting, the crowding distance, the repair and the sparse mutation (and the
+weighted search's evaluation) run as compiled loops with the same results and random draws
+(:mod:`adaptrain.sched._kernels`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from . import _kernels
 from ._counts import count_nodes, cumsum_jobs, cumsum_row, rows_differ, sum_jobs, sum_nodes
 from .policy_base import Allocation, JobInfo, NodeInfo
 
@@ -45,11 +49,18 @@ def nondominated_ranks(F: np.ndarray) -> np.ndarray:
     Sort by (f0, f1); each point joins the first front none of whose members dominates it. In
     that order a front's smallest f1 never exceeds the next front's, so a bisection finds it.
     """
-    import bisect
-
     F = np.asarray(F, dtype=np.float64)
     if F.ndim != 2 or F.shape[1] != 2:
         raise ValueError(f"expected an (n, 2) objective array, got shape {F.shape}")
+    if _kernels.AVAILABLE:  # compiled (adaptrain.sched._kernels): the same ranks
+        return _kernels.nondominated_ranks(F)
+    return _nondominated_ranks_numpy(F)
+
+
+def _nondominated_ranks_numpy(F: np.ndarray) -> np.ndarray:
+    """:func:`nondominated_ranks` in numpy and Python."""
+    import bisect
+
     order = np.lexsort((F[:, 1], F[:, 0]))
     rank = np.empty(len(F), dtype=np.int64)
     mins: list[float] = []  # smallest f1 of each front
@@ -71,7 +82,15 @@ def nondominated_ranks(F: np.ndarray) -> np.ndarray:
 
 
 def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """NSGA-II crowding distance within each front (boundary points: infinity)."""
+    """NSGA-II crowding distance within each front (boundary points: infinity); compiled
+    where numba is installed (:mod:`adaptrain.sched._kernels`, the same values)."""
+    if _kernels.AVAILABLE:
+        return _kernels.crowding(np.asarray(F, dtype=np.float64), np.asarray(rank, dtype=np.int64))
+    return _crowding_numpy(F, rank)
+
+
+def _crowding_numpy(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    """:func:`_crowding` in numpy."""
     n = len(F)
     dist = np.zeros(n)
     if n == 0:
@@ -320,6 +339,26 @@ class PolluxPolicy:
         return np.where(mask, b, a), np.where(mask, a, b)
 
     def _mutation(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """Mutated copies of ``states`` (see the module docstring); the sparse draws compiled
+        where numba is installed (:mod:`adaptrain.sched._kernels`: the same values and
+        random draws, merged into fewer calls of the generator)."""
+        if not (_kernels.AVAILABLE and self._sparse_draws):
+            return self._mutation_numpy(states, base)
+        P, J, N = states.shape
+        # the reset and the pick draws of the numpy code, one after the other in one call
+        draws = self.rng.random((2, P, J))
+        out, picked = _kernels.mutate_rows(
+            np.ascontiguousarray(states, dtype=_STATE_DTYPE), base.astype(_STATE_DTYPE), draws
+        )
+        # the picked rows' zeroing draws, then one per cell: again one call
+        cells, low, high = _kernels.mutate_cells(
+            out, draws[1], self.rng.random(picked * N + P * J * N), self._cap
+        )
+        out.reshape(-1)[cells] = self.rng.integers(low, high)
+        return out
+
+    def _mutation_numpy(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """:meth:`_mutation` in numpy."""
         rng = self.rng
         P, J, N = states.shape
         reset = np.nonzero(rng.random((P, J)) < 0.1)  # rows back to the current allocation
@@ -354,6 +393,36 @@ class PolluxPolicy:
         return np.where(m, r, states).astype(_STATE_DTYPE)
 
     def _repair(self, states: np.ndarray) -> np.ndarray:
+        """Candidates made feasible (see the module docstring); compiled where numba is
+        installed (:mod:`adaptrain.sched._kernels`: the same values and random draws)."""
+        if not _kernels.AVAILABLE:
+            return self._repair_numpy(states)
+        P, J, N = states.shape
+        out, rows = _kernels.repair_bounds(
+            np.ascontiguousarray(states, dtype=_STATE_DTYPE),
+            self._pinned,
+            self._pinned_rows,
+            bool(self.interference_avoidance),
+            self._max_rep,
+            int(self.max_nodes_per_job),
+        )
+        if not self._sparse_draws:  # a random order of nodes for every row, as below
+            rows = np.arange(P * J, dtype=np.int64)
+        draws = self.rng.random((rows.size, N))
+        return _kernels.repair_fill(
+            out,
+            rows,
+            draws,
+            self._max_rep,
+            int(self.max_nodes_per_job),
+            self._pinned,
+            self._pinned_rows,
+            self._cap,
+            self._min_rep,
+        )
+
+    def _repair_numpy(self, states: np.ndarray) -> np.ndarray:
+        """:meth:`_repair` in numpy."""
         states = states.copy()
         # non-preemptible running jobs keep their exact allocation, whatever the operators did;
         # the other jobs yield to them (capacity first, nodes of a pinned multi-node job)

@@ -1,0 +1,482 @@
+"""Compiled kernels for the genetic searches' per-generation work, equal to numpy's bit for bit.
+
+A generation of :class:`~adaptrain.sched.PolluxPolicy`'s search (and of the default policy's
+genetic refinement) works on small arrays: some 50-125 candidates x 5-50 jobs x 16 nodes. On
+them numpy spends most of its time in the overhead of its calls, not in arithmetic: a whole
+generation on a single job took 1.7 ms, on ten jobs 2.1 ms (the heaviest artifact file runs
+some 118 000 generations). The crowding distance, for one, is 25 numpy calls over at most 125
+points.
+
+With numba installed (in the ``sched`` and ``test`` extras; without it the numpy code runs),
+these run here as loops compiled once (``cache=True``: later processes load them from disk):
+the NSGA-II non-dominated sorting and crowding distance, the weighted search's evaluation, the repair of candidates and
+the sparse mutation. They compute what the numpy code computes:
+
+- in the same order of floating-point operations: sums over jobs follow numpy's pairwise
+  summation (:func:`_pairwise`), and products, quotients and differences are single IEEE
+  operations;
+- with the same random numbers: the callers draw them from the search's generator with
+  numpy, the same count in the same order (consecutive uniform draws merged into one call
+  read the same stream), and the kernels consume them where the numpy code would;
+- in the same order of sorting: stable sorts, as numpy's ``lexsort``; a row's random order of
+  nodes is the stable sort of its draws, numpy's order whenever the draws differ (equal
+  doubles among 16 draws: a chance of about 2**-46).
+
+So a search reads the same, candidate for candidate, with or without numba;
+``tests/sched/test_kernels.py`` checks each kernel against the numpy code on random inputs,
+and whole warm-started searches against the numpy searches.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AVAILABLE",
+    "crowding",
+    "evaluate_weighted",
+    "mutate_cells",
+    "mutate_rows",
+    "nondominated_ranks",
+    "repair_bounds",
+    "repair_fill",
+]
+
+try:  # pragma: no branch - one or the other per environment
+    import numba
+except ImportError:  # numba not installed (or not yet for this Python): numpy's code runs
+    numba = None
+
+#: whether the compiled kernels are in use (numba importable)
+AVAILABLE = numba is not None
+
+
+def _njit(fn):
+    # error_model="numpy": a float division by zero gives inf/nan as numpy does (not an error)
+    return numba.njit(cache=True, error_model="numpy", nogil=True)(fn) if AVAILABLE else fn
+
+
+@_njit
+def _block(a, lo, n):  # pragma: no cover - compiled
+    """numpy's pairwise sum of a block of at most 128 values ``a[lo:lo + n]``: one by one
+    below 8, else 8 interleaved partial sums combined as a tree, then the rest one by one."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    stop = n - (n % 8)
+    while i < stop:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@_njit
+def _pairwise(a, lo, n):  # pragma: no cover - compiled
+    """numpy's pairwise sum of ``a[lo:lo + n]`` (``pairwise_sum`` in its loops), in its order
+    of additions: a longer range is the sum of its halves (the first a multiple of 8 long).
+    The halving runs on an explicit stack (numba's cache cannot hold a recursive function)."""
+    if n <= 128:
+        return _block(a, lo, n)
+    los = np.empty(64, dtype=np.int64)  # a range of 2**63 values splits fewer times
+    ns = np.empty(64, dtype=np.int64)
+    stage = np.zeros(64, dtype=np.int64)  # 0: split it, 1: its first half summed, 2: both
+    left = np.empty(64)
+    los[0], ns[0], sp, ret = lo, n, 0, 0.0
+    while sp >= 0:
+        m = ns[sp]
+        if m <= 128:
+            ret = _block(a, los[sp], m)
+            sp -= 1
+            continue
+        half = m // 2
+        half -= half % 8
+        if stage[sp] == 0:  # first half
+            stage[sp] = 1
+            los[sp + 1], ns[sp + 1], stage[sp + 1] = los[sp], half, 0
+            sp += 1
+        elif stage[sp] == 1:  # second half, once the first is summed (in ret)
+            left[sp] = ret
+            stage[sp] = 2
+            los[sp + 1], ns[sp + 1], stage[sp + 1] = los[sp] + half, m - half, 0
+            sp += 1
+        else:
+            ret = left[sp] + ret
+            sp -= 1
+    return ret
+
+
+@_njit
+def _row_sum(a):  # pragma: no cover - compiled
+    """``a.sum()`` of a 1-d float64 array as numpy reduces a row: ``0.0 + pairwise``."""
+    return 0.0 + _pairwise(a, 0, a.shape[0])
+
+
+@_njit
+def crowding(F, rank):  # pragma: no cover - compiled
+    """:func:`adaptrain.sched.pollux._crowding` (NSGA-II crowding distance per front)."""
+    n = F.shape[0]
+    dist = np.zeros(n)
+    if n == 0:
+        return dist
+    r = np.sort(rank)
+    first = np.empty(n, dtype=np.int64)  # per position in rank order: its front's first
+    last = np.empty(n, dtype=np.int64)  # and last positions
+    edge = np.empty(n, dtype=np.bool_)
+    start = 0
+    for i in range(n):
+        if i == 0 or r[i] != r[i - 1]:
+            start = i
+        first[i] = start
+    end = n - 1
+    for i in range(n - 1, -1, -1):
+        if i == n - 1 or r[i] != r[i + 1]:
+            end = i
+        last[i] = end
+    for i in range(n):
+        edge[i] = first[i] == i or last[i] == i
+    for m in range(F.shape[1]):
+        col = F[:, m].copy()
+        by_f = np.argsort(col, kind="mergesort")  # stable: lexsort((F[:, m], rank))
+        order = by_f[np.argsort(rank[by_f], kind="mergesort")]
+        f = col[order]
+        for i in range(n):
+            if edge[i]:
+                d = np.inf
+            else:
+                span = f[last[i]] - f[first[i]]
+                d = (f[i + 1] - f[i - 1]) / span if span > 0 else 0.0
+            dist[order[i]] += d
+    return dist
+
+
+@_njit
+def evaluate_weighted(
+    states, base, table, nmax, rmax, restart_factor, grow_costs, weights, cap, penalty
+):  # pragma: no cover - compiled
+    """:meth:`adaptrain.sched._plan.WeightedGeneticSearch._evaluate`: per candidate
+    ``(-FITNESS, -utility)``."""
+    P, J, N = states.shape
+    any_grow = False
+    for j in range(J):
+        if grow_costs[j] != 0:
+            any_grow = True
+    had = np.zeros(J, dtype=np.int64)
+    for j in range(J):
+        for k in range(N):
+            had[j] += base[j, k]
+    out = np.empty((P, 2))
+    terms = np.empty(J)
+    utils = np.empty(J)
+    reps = np.empty(J, dtype=np.int64)
+    speed = np.empty(J)
+    for p in range(P):
+        total = 0  # GPUs on the nodes in use
+        for k in range(N):
+            used = 0
+            for j in range(J):
+                used += states[p, j, k]
+            if used > 0:
+                total += cap[k]
+        unscheduled = 0
+        for j in range(J):
+            r = 0
+            n = 0
+            differ = False
+            for k in range(N):
+                c = states[p, j, k]
+                r += c
+                if c != 0:
+                    n += 1
+                if c != base[j, k]:
+                    differ = True
+            reps[j] = r
+            s = table[j, min(n, nmax), min(r, rmax)]
+            speed[j] = s
+            if s <= 0:
+                unscheduled += 1
+            factor = restart_factor[j]
+            if any_grow and r > had[j] and had[j] > 0:
+                factor = min(factor, 1.0 - grow_costs[j])
+            terms[j] = (s * (factor if differ else 1.0)) * weights[j]
+        for j in range(J):
+            if reps[j] > 0:
+                utils[j] = (speed[j] / reps[j]) * (reps[j] / total)
+            else:
+                utils[j] = 0.0
+        out[p, 0] = -(_row_sum(terms) - penalty * unscheduled)
+        out[p, 1] = -_row_sum(utils)
+    return out
+
+
+@_njit
+def _set_pinned(states, p, pinned, pinned_rows):  # pragma: no cover - compiled
+    """Candidate ``p``'s rows of the pinned jobs set to ``pinned_rows`` (in job order)."""
+    i = 0
+    for j in range(pinned.shape[0]):
+        if pinned[j]:
+            for k in range(states.shape[2]):
+                states[p, j, k] = pinned_rows[i, k]
+            i += 1
+
+
+@_njit
+def repair_bounds(
+    states, pinned, pinned_rows, interference, max_rep, max_nodes
+):  # pragma: no cover
+    """The first half of :meth:`adaptrain.sched.pollux.PolluxPolicy._repair`, up to its
+    random draw: a copy of ``states`` with the pinned jobs' rows set and interference
+    avoided, and the (candidate x job) rows, flat and in order, over a job's replica or node
+    bound (for which the caller draws a random order of nodes)."""
+    P, J, N = states.shape
+    out = states.copy()
+    any_pinned = False
+    for j in range(J):
+        if pinned[j]:
+            any_pinned = True
+    for p in range(P):
+        _set_pinned(out, p, pinned, pinned_rows)
+    multi = np.zeros(J, dtype=np.bool_)
+    if interference:
+        taken = np.zeros(N, dtype=np.bool_)  # nodes of a pinned multi-node job
+        seen = np.zeros(N, dtype=np.int64)  # multi-node jobs kept on each node so far
+        for p in range(P):
+            for j in range(J):
+                n = 0
+                for k in range(N):
+                    if out[p, j, k] != 0:
+                        n += 1
+                multi[j] = n > 1
+            for k in range(N):
+                taken[k] = False
+                seen[k] = 0
+            if any_pinned:
+                for j in range(J):
+                    if pinned[j] and multi[j]:
+                        for k in range(N):
+                            if out[p, j, k] > 0:
+                                taken[k] = True
+            # as numpy's running count over jobs: once a node has seen a second multi-node
+            # job, every later job (multi-node or not) loses its replicas there
+            for j in range(J):
+                for k in range(N):
+                    mask = multi[j] and not pinned[j] and out[p, j, k] > 0
+                    if mask:
+                        seen[k] += 1
+                    if not pinned[j] and (seen[k] > 1 or (mask and taken[k])):
+                        out[p, j, k] = 0
+    count = 0
+    over = np.zeros(P * J, dtype=np.bool_)
+    for p in range(P):
+        for j in range(J):
+            r = 0
+            n = 0
+            for k in range(N):
+                c = out[p, j, k]
+                r += c
+                if c != 0:
+                    n += 1
+            if r > max_rep[j] or n > max_nodes:
+                over[p * J + j] = True
+                count += 1
+    rows = np.empty(count, dtype=np.int64)
+    i = 0
+    for f in range(P * J):
+        if over[f]:
+            rows[i] = f
+            i += 1
+    return out, rows
+
+
+@_njit
+def repair_fill(
+    states, rows, draws, max_rep, max_nodes, pinned, pinned_rows, cap, min_rep
+):  # pragma: no cover - compiled
+    """The second half of :meth:`adaptrain.sched.pollux.PolluxPolicy._repair`, in place on
+    :func:`repair_bounds`' copy: each row of ``rows`` cut to its bounds with nodes kept in the
+    order of its ``draws`` (a stable sort: numpy's order whenever a row's draws differ), the
+    pinned rows set again, node capacity filled in job order, and a job below its minimum
+    emptied."""
+    P, J, N = states.shape
+    row = np.empty(N, dtype=np.int64)
+    for i in range(rows.shape[0]):
+        p, j = rows[i] // J, rows[i] % J
+        order = np.argsort(draws[i], kind="mergesort")
+        total = 0
+        nodes = 0
+        for t in range(N):
+            row[t] = states[p, j, order[t]]
+        for t in range(N):
+            before = min(total, max_rep[j])
+            total += row[t]
+            c = min(total, max_rep[j]) - before
+            if c > 0:
+                nodes += 1
+                if nodes > max_nodes:
+                    c = 0
+            states[p, j, order[t]] = c
+    left = cap.copy()  # what the pinned jobs leave on each node
+    i = 0
+    for j in range(J):
+        if pinned[j]:
+            for k in range(N):
+                left[k] -= pinned_rows[i, k]
+            i += 1
+    for k in range(N):
+        left[k] = max(left[k], 0)
+    used = np.empty(N, dtype=np.int64)
+    for p in range(P):
+        for k in range(N):
+            used[k] = 0
+        _set_pinned(states, p, pinned, pinned_rows)
+        for j in range(J):
+            if pinned[j]:
+                continue
+            r = 0
+            for k in range(N):
+                c = states[p, j, k]
+                room = left[k] - used[k]
+                if c > room:
+                    c = room if room > 0 else 0
+                states[p, j, k] = c
+                used[k] += c
+                r += c
+            if r < min_rep[j]:
+                for k in range(N):
+                    states[p, j, k] = 0
+    return states
+
+
+@_njit
+def mutate_rows(states, base, draws):  # pragma: no cover - compiled
+    """The first step of the sparse mutation of
+    :meth:`adaptrain.sched.pollux.PolluxPolicy._mutation`: a copy of ``states`` with the
+    (candidate, job) rows whose ``draws[0]`` fall below 0.1 reset to the current allocation;
+    and how many rows ``draws[1]`` picks (below 0.1) for zeroing, the caller's next draw."""
+    P, J, N = states.shape
+    out = states.copy()
+    picked = 0
+    for p in range(P):
+        for j in range(J):
+            if draws[0, p, j] < 0.1:
+                for k in range(N):
+                    out[p, j, k] = base[j, k]
+            if draws[1, p, j] < 0.1:
+                picked += 1
+    return out, picked
+
+
+@_njit
+def mutate_cells(states, picks, draws, cap):  # pragma: no cover - compiled
+    """The rest of the sparse mutation, in place on :func:`mutate_rows`' copy, up to its last
+    draw: the picked rows' entries zeroed where their draws (the first ``picked x nodes`` of
+    ``draws``, row by row) fall below 0.1; then each cell mutates where its draw (the rest of
+    ``draws``, in C order) falls below ``p1 + p2 - p1 p2`` on a node with a free GPU (``p1 =
+    1 / jobs``, ``p2 = 1 / jobs with replicas there``, for a job with replicas there) or ``p1``
+    (any other job there; 0 on a full node). Returns the flat indices of the cells mutating,
+    with the bounds ``[low, high)`` of their new counts."""
+    P, J, N = states.shape
+    i = 0
+    for p in range(P):
+        for j in range(J):
+            if picks[p, j] < 0.1:
+                for k in range(N):
+                    if draws[i * N + k] < 0.1:
+                        states[p, j, k] = 0
+                i += 1
+    at = i * N
+    p1 = np.empty(N)
+    p12 = np.empty(N)
+    free = np.empty(N, dtype=np.bool_)
+    mutate = np.zeros(P * J * N, dtype=np.bool_)
+    count = 0
+    for p in range(P):
+        for k in range(N):
+            used = 0
+            for j in range(J):
+                used += states[p, j, k]
+            free[k] = cap[k] - used >= 1
+            on = 0
+            if free[k]:
+                for j in range(J):
+                    if states[p, j, k] > 0:
+                        on += 1
+            p1[k] = (1.0 if free[k] else 0.0) / max(J, 1)
+            p2 = 1.0 / max(on, 1)
+            p12[k] = (p1[k] + p2) - p1[k] * p2
+        for j in range(J):
+            for k in range(N):
+                c = (p * J + j) * N + k
+                prob = p12[k] if (states[p, j, k] > 0 and free[k]) else p1[k]
+                if draws[at + c] < prob:
+                    mutate[c] = True
+                    count += 1
+    cells = np.empty(count, dtype=np.int64)
+    low = np.empty(count, dtype=np.int64)
+    high = np.empty(count, dtype=np.int64)
+    i = 0
+    flat = states.reshape(-1)
+    for c in range(P * J * N):
+        if mutate[c]:
+            hi = cap[c % N]
+            cells[i] = c
+            low[i] = min(flat[c], hi)
+            high[i] = hi + 1
+            i += 1
+    return cells, low, high
+
+
+@_njit
+def nondominated_ranks(F):  # pragma: no cover - compiled
+    """:func:`adaptrain.sched.pollux.nondominated_ranks` of an (n, 2) float64 array (the
+    same sort by (f0, f1), stable, and the same bisection of the fronts' smallest f1)."""
+    n = F.shape[0]
+    col0 = F[:, 0].copy()
+    col1 = F[:, 1].copy()
+    by_f1 = np.argsort(col1, kind="mergesort")
+    order = by_f1[np.argsort(col0[by_f1], kind="mergesort")]  # lexsort((f1, f0))
+    rank = np.empty(n, dtype=np.int64)
+    mins = np.empty(n)  # smallest f1 of each front
+    f0_at_min = np.empty(n)  # smallest f0 among that front's members attaining it
+    size = 0
+    for t in range(n):
+        i = order[t]
+        f0, f1 = col0[i], col1[i]
+        lo, hi = 0, size  # bisect_left(mins, f1)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mins[mid] < f1:
+                lo = mid + 1
+            else:
+                hi = mid
+        k = lo
+        while k < size and mins[k] == f1 and f0_at_min[k] < f0:
+            k += 1
+        if k == size:
+            mins[size] = f1
+            f0_at_min[size] = f0
+            size += 1
+        elif f1 < mins[k]:
+            mins[k] = f1
+            f0_at_min[k] = f0
+        rank[i] = k
+    return rank
