@@ -66,6 +66,10 @@ screen of one parameter over seeds is one command, e.g. the session-37 row of
 ``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
 at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
 
+Speed: with numba installed the genetic searches run their per-generation work as compiled
+kernels with the same results (``adaptrain.sched._kernels``); ``--numpy-search`` runs their
+numpy code instead, the same-command reference for the kernels' speed (session 57).
+
 Arrivals: ``waterfill`` places a job as it arrives, on free GPUs (``allocate_job``, as AdaptDL's
 allocator does); ``waterfill-rounds`` makes new jobs wait for the next round instead. ``pollux``
 runs with new jobs waiting for the round, as in the artifact's simulator that produced the
@@ -95,7 +99,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from adaptrain.cli.simulate import POLICIES, make_policy  # noqa: E402
-from adaptrain.sched import PolluxPolicy, WaterfillPolicy  # noqa: E402
+from adaptrain.sched import PolluxPolicy, WaterfillPolicy, _kernels  # noqa: E402
 from adaptrain.sched.simulator import Simulator  # noqa: E402
 from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
 
@@ -152,6 +156,21 @@ def blas_label() -> str:
     ]
     # sorted: threadpoolctl lists the libraries in an order that can change from run to run
     return "BLAS: " + (", ".join(sorted(libs)) or "none found")
+
+
+_KERNELS_INSTALLED = _kernels.AVAILABLE  # numba importable (before any --numpy-search)
+
+
+def search_label(numpy_search: bool) -> str:
+    """Which code runs the genetic searches' generations: numba's compiled kernels
+    (``adaptrain.sched._kernels``) or numpy's code; the same results either way."""
+    if not _KERNELS_INSTALLED:
+        return "numpy code (numba not installed)"
+    if numpy_search:
+        return "numpy code (--numpy-search)"
+    import numba
+
+    return f"compiled kernels (numba {numba.__version__})"
 
 
 def simd_label() -> str:
@@ -332,6 +351,12 @@ def main() -> int:
         "policy decides (the same results); default 1 with --processes 1 on >= 2 cpus, else 0",
     )
     parser.add_argument(
+        "--numpy-search",
+        action="store_true",
+        help="run the genetic searches' numpy code, not their compiled kernels (the same "
+        "results; a reference for the kernels' speed)",
+    )
+    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -360,6 +385,7 @@ def main() -> int:
         f"{args.fit_workers} fit worker(s) each"
     )
     print(f"numpy {np.__version__}, scipy {scipy.__version__}, {simd_label()}")
+    print(f"genetic searches: {search_label(args.numpy_search)}")
     print(blas_label())
     if settings:
         given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
@@ -380,6 +406,7 @@ def main() -> int:
                 seed,
                 settings if pol == "waterfill" else {},
                 args.fit_workers,
+                args.numpy_search,
             )
             for seed in (args.seed[:1] if pol in DETERMINISTIC else args.seed)
         ]
@@ -456,10 +483,14 @@ def _applications(traces: str) -> dict:
 
 def _run(task: tuple) -> dict:
     """One simulation, ``task = (traces, load, workload number, policy, seed, settings[,
-    fit_workers])`` (``settings``: :func:`parse_settings`'s keyword arguments, or empty;
-    ``fit_workers``: the simulator's, default 0): its row."""
+    fit_workers[, numpy_search]])`` (``settings``: :func:`parse_settings`'s keyword arguments,
+    or empty; ``fit_workers``: the simulator's, default 0; ``numpy_search``: the genetic
+    searches' numpy code, not their kernels, default False): its row."""
     traces, load, wl, pol, seed, settings, *rest = task
     fit_workers = rest[0] if rest else 0
+    numpy_search = rest[1] if len(rest) > 1 else False
+    # the searches read this flag at each call (a run in a pool's process sets its own)
+    _kernels.AVAILABLE = _KERNELS_INSTALLED and not numpy_search
     data_dir = os.path.dirname(os.path.normpath(traces))
     wdir = "workloads" if load == "1.0" else f"workloads-{load}"
     name = f"workload-{wl}"

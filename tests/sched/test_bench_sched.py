@@ -13,6 +13,8 @@ import sys
 import numpy as np
 import pytest
 
+from adaptrain.sched import _kernels
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_sched.py")
 
 
@@ -403,3 +405,24 @@ def test_diag_sched_arrivals_replays_the_policy_estimate(tmp_path):
     dense.write_text("name,time,application,num_replicas,batch_size\n" + "\n".join(rows) + "\n")
     r = mod.replay(str(dense), WaterfillPolicy(search="local"))
     assert r["opened"] == 0 and min(r["rates"]) == pytest.approx(20 / 64)
+
+
+def test_bench_numpy_search_reads_the_same_as_the_kernels(tmp_path, tiny_app_writer):
+    """``--numpy-search`` (the kernels' speed reference) runs the searches' numpy code, names
+    it in the header, and reads the same JCT as the default run."""
+    rows = [("a", 0, "toy", 1, 8), ("b", 53, "toy", 4, 16), ("c", 130, "toy", 2, 8)]
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, {"avgs": {"workload-9": 400.0}})
+    got = {}
+    for flag in ([], ["--numpy-search"]):
+        out_json = tmp_path / f"rows{len(flag)}.json"
+        cmd = [sys.executable, BENCH, "--traces", str(traces), "--workloads", "9"]
+        cmd += ["--policies", "waterfill", "--fit-workers", "0", "--json", str(out_json), *flag]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr
+        header = [ln for ln in proc.stdout.splitlines() if ln.startswith("genetic searches: ")]
+        assert len(header) == 1
+        got[bool(flag)] = (header[0], json.loads(out_json.read_text())[0]["avg_jct"])
+    assert "numpy code" in got[True][0]
+    if _kernels.AVAILABLE:
+        assert "compiled kernels (numba " in got[False][0]
+    assert got[True][1] == got[False][1]
