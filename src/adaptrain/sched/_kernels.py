@@ -9,8 +9,8 @@ points.
 
 With numba installed (in the ``sched`` and ``test`` extras; without it the numpy code runs),
 these run here as loops compiled once (``cache=True``: later processes load them from disk):
-the NSGA-II non-dominated sorting and crowding distance, the weighted search's evaluation, the repair of candidates and
-the sparse mutation. They compute what the numpy code computes:
+the NSGA-II non-dominated sorting and crowding distance, the weighted search's evaluation, the
+repair of candidates and the sparse mutation. They compute what the numpy code computes:
 
 - in the same order of floating-point operations: sums over jobs follow numpy's pairwise
   summation (:func:`_pairwise`), and products, quotients and differences are single IEEE
@@ -20,7 +20,10 @@ the sparse mutation. They compute what the numpy code computes:
   read the same stream), and the kernels consume them where the numpy code would;
 - in the same order of sorting: stable sorts, as numpy's ``lexsort``; a row's random order of
   nodes is the stable sort of its draws, numpy's order whenever the draws differ (equal
-  doubles among 16 draws: a chance of about 2**-46).
+  doubles among 16 draws: a chance of about 2**-46);
+- with the same rules, quirks included: the interference repair drops every job after a
+  node's second multi-node job there, multi-node or not, as numpy's running count over jobs
+  (and the artifact's) does.
 
 So a search reads the same, candidate for candidate, with or without numba;
 ``tests/sched/test_kernels.py`` checks each kernel against the numpy code on random inputs,

@@ -21,9 +21,9 @@ final population warm-starts the next round. The returned allocation maximises t
 The NSGA-II machinery (non-dominated sorting, crowding distance) is vectorised numpy over the
 whole population, as the issue allows; ``tests/sched/test_policies.py`` checks both against
 pymoo's implementations (ranks equal; crowding equal up to pymoo's averaging over objectives).
-With numba installed, the non-dominated sorting, the crowding distance, the repair and the sparse mutation (and the
-weighted search's evaluation) run as compiled loops with the same results and random draws
-(:mod:`adaptrain.sched._kernels`).
+With numba installed, the non-dominated sorting, the crowding distance, the repair and the
+sparse mutation (and the weighted search's evaluation) run as compiled loops with the same
+results and random draws (:mod:`adaptrain.sched._kernels`).
 """
 
 from __future__ import annotations
