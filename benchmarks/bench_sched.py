@@ -521,6 +521,7 @@ def _run(task: tuple) -> dict:
         "p99_jct": s["p99_jct"],
         "policy_s_per_round": s["policy_s_per_round"],
         "wall_s": wall,
+        "genetic_search": "kernels" if _kernels.AVAILABLE else "numpy",  # which code ran
     }
     if settings:
         row["waterfill_kwargs"] = dict(settings)

@@ -421,8 +421,9 @@ def test_bench_numpy_search_reads_the_same_as_the_kernels(tmp_path, tiny_app_wri
         assert proc.returncode == 0, proc.stderr
         header = [ln for ln in proc.stdout.splitlines() if ln.startswith("genetic searches: ")]
         assert len(header) == 1
-        got[bool(flag)] = (header[0], json.loads(out_json.read_text())[0]["avg_jct"])
-    assert "numpy code" in got[True][0]
+        row = json.loads(out_json.read_text())[0]
+        got[bool(flag)] = (header[0], row["avg_jct"], row["genetic_search"])
+    assert "numpy code" in got[True][0] and got[True][2] == "numpy"
     if _kernels.AVAILABLE:
-        assert "compiled kernels (numba " in got[False][0]
+        assert "compiled kernels (numba " in got[False][0] and got[False][2] == "kernels"
     assert got[True][1] == got[False][1]

@@ -1,6 +1,7 @@
 """The compiled kernels of the genetic searches (``adaptrain.sched._kernels``) compute what the
-numpy code computes, bit for bit: sums in numpy's pairwise order, the crowding distance, the
-weighted search's evaluation, and whole searches over warm-started rounds."""
+numpy code computes, bit for bit: sums in numpy's pairwise order, the non-dominated ranks and
+crowding distance, the weighted search's evaluation, the repair and the sparse mutation (with
+the generator left in the same state), and whole searches over warm-started rounds."""
 
 from __future__ import annotations
 
