@@ -32,11 +32,7 @@ and whole warm-started searches against the numpy searches.
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "AVAILABLE",
@@ -173,6 +169,19 @@ def crowding(F, rank):  # pragma: no cover - compiled
 
 
 @_njit
+def _row_counts(states, p, j):  # pragma: no cover - compiled
+    """Replicas and nodes of candidate ``p``'s row for job ``j``."""
+    r = 0
+    n = 0
+    for k in range(states.shape[2]):
+        c = states[p, j, k]
+        r += c
+        if c != 0:
+            n += 1
+    return r, n
+
+
+@_njit
 def evaluate_weighted(
     states, base, table, nmax, rmax, restart_factor, grow_costs, weights, cap, penalty
 ):  # pragma: no cover - compiled
@@ -202,16 +211,12 @@ def evaluate_weighted(
                 total += cap[k]
         unscheduled = 0
         for j in range(J):
-            r = 0
-            n = 0
+            r, n = _row_counts(states, p, j)
             differ = False
             for k in range(N):
-                c = states[p, j, k]
-                r += c
-                if c != 0:
-                    n += 1
-                if c != base[j, k]:
+                if states[p, j, k] != base[j, k]:
                     differ = True
+                    break
             reps[j] = r
             s = table[j, min(n, nmax), min(r, rmax)]
             speed[j] = s
@@ -252,10 +257,7 @@ def repair_bounds(
     bound (for which the caller draws a random order of nodes)."""
     P, J, N = states.shape
     out = states.copy()
-    any_pinned = False
-    for j in range(J):
-        if pinned[j]:
-            any_pinned = True
+    any_pinned = pinned.any()
     for p in range(P):
         _set_pinned(out, p, pinned, pinned_rows)
     multi = np.zeros(J, dtype=np.bool_)
@@ -264,11 +266,7 @@ def repair_bounds(
         seen = np.zeros(N, dtype=np.int64)  # multi-node jobs kept on each node so far
         for p in range(P):
             for j in range(J):
-                n = 0
-                for k in range(N):
-                    if out[p, j, k] != 0:
-                        n += 1
-                multi[j] = n > 1
+                multi[j] = _row_counts(out, p, j)[1] > 1
             for k in range(N):
                 taken[k] = False
                 seen[k] = 0
@@ -287,27 +285,12 @@ def repair_bounds(
                         seen[k] += 1
                     if not pinned[j] and (seen[k] > 1 or (mask and taken[k])):
                         out[p, j, k] = 0
-    count = 0
     over = np.zeros(P * J, dtype=np.bool_)
     for p in range(P):
         for j in range(J):
-            r = 0
-            n = 0
-            for k in range(N):
-                c = out[p, j, k]
-                r += c
-                if c != 0:
-                    n += 1
-            if r > max_rep[j] or n > max_nodes:
-                over[p * J + j] = True
-                count += 1
-    rows = np.empty(count, dtype=np.int64)
-    i = 0
-    for f in range(P * J):
-        if over[f]:
-            rows[i] = f
-            i += 1
-    return out, rows
+            r, n = _row_counts(out, p, j)
+            over[p * J + j] = r > max_rep[j] or n > max_nodes
+    return out, np.nonzero(over)[0].astype(np.int64)
 
 
 @_njit
@@ -411,7 +394,6 @@ def mutate_cells(states, picks, draws, cap):  # pragma: no cover - compiled
     p12 = np.empty(N)
     free = np.empty(N, dtype=np.bool_)
     mutate = np.zeros(P * J * N, dtype=np.bool_)
-    count = 0
     for p in range(P):
         for k in range(N):
             used = 0
@@ -430,22 +412,10 @@ def mutate_cells(states, picks, draws, cap):  # pragma: no cover - compiled
             for k in range(N):
                 c = (p * J + j) * N + k
                 prob = p12[k] if (states[p, j, k] > 0 and free[k]) else p1[k]
-                if draws[at + c] < prob:
-                    mutate[c] = True
-                    count += 1
-    cells = np.empty(count, dtype=np.int64)
-    low = np.empty(count, dtype=np.int64)
-    high = np.empty(count, dtype=np.int64)
-    i = 0
-    flat = states.reshape(-1)
-    for c in range(P * J * N):
-        if mutate[c]:
-            hi = cap[c % N]
-            cells[i] = c
-            low[i] = min(flat[c], hi)
-            high[i] = hi + 1
-            i += 1
-    return cells, low, high
+                mutate[c] = draws[at + c] < prob
+    cells = np.nonzero(mutate)[0].astype(np.int64)
+    hi = cap[cells % N]
+    return cells, np.minimum(states.reshape(-1)[cells].astype(np.int64), hi), hi + 1
 
 
 @_njit

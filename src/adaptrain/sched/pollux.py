@@ -348,7 +348,9 @@ class PolluxPolicy:
         # the reset and the pick draws of the numpy code, one after the other in one call
         draws = self.rng.random((2, P, J))
         out, picked = _kernels.mutate_rows(
-            np.ascontiguousarray(states, dtype=_STATE_DTYPE), base.astype(_STATE_DTYPE), draws
+            np.ascontiguousarray(states, dtype=_STATE_DTYPE),
+            np.asarray(base, dtype=_STATE_DTYPE),
+            draws,
         )
         # the picked rows' zeroing draws, then one per cell: again one call
         cells, low, high = _kernels.mutate_cells(
