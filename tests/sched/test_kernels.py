@@ -193,3 +193,56 @@ def test_sparse_mutation_equals_numpys():
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want, err_msg=f"trial {trial}")
         assert after == search.rng.bit_generator.state, f"trial {trial}"
+
+
+@pytest.mark.parametrize("cls", [WeightedGeneticSearch, PolluxPolicy])
+def test_generation_equals_numpys(cls, monkeypatch):
+    """Whole generations (tournaments, crossover, mutation, repair, the dropping of
+    duplicates, survival) from random populations with few distinct candidates (children
+    often repeat them, so more batches are bred, and in converged populations none may be
+    new), tied ranks and crowding: the same population, objectives, ranks and crowding, and
+    the generator in the same state after, as the numpy code."""
+    rng = np.random.default_rng(6)
+    for trial in range(40):
+        jobs, nodes, base = _cluster(rng, int(rng.integers(1, 25)))
+        search = cls(pop_size=int(rng.integers(2, 40)), seed=trial)
+        keys, node_keys = sorted(jobs), sorted(nodes)
+        if cls is WeightedGeneticSearch:
+            weights = {k: float(rng.uniform(0.1, 2.0)) for k in jobs}
+            _, _, base_m, _ = search._prepare(jobs, nodes, base, weights)
+        else:
+            base_m = search._matrix(base, keys, node_keys)
+            search._setup([jobs[k] for k in keys], [nodes[k] for k in node_keys], base_m)
+        (J, N), distinct = base_m.shape, int(rng.integers(1, 6))
+        rows = search._repair(rng.integers(0, 4, size=(distinct, J, N)).astype(base_m.dtype))
+        pop = rows[rng.integers(distinct, size=search.pop_size)]
+        F = search._evaluate(pop, base_m)
+        rank = nondominated_ranks(F)
+        crowd = _crowding(F, rank)
+        start = search.rng.bit_generator.state
+        got = search._generation(pop, F, rank, crowd, base_m)
+        after = search.rng.bit_generator.state
+        search.rng.bit_generator.state = start
+        monkeypatch.setattr(_kernels, "AVAILABLE", False)
+        want = search._generation(pop, F, rank, crowd, base_m)
+        monkeypatch.setattr(_kernels, "AVAILABLE", True)
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype, f"trial {trial}"
+            np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=f"trial {trial}")
+        assert after == search.rng.bit_generator.state, f"trial {trial}"
+
+
+def test_fresh_rows_equal_numpys_dedupe():
+    """Rows of the new batch found in the population, in the children so far, or earlier in
+    the batch are dropped, the others kept in order (rows differing in one cell only)."""
+    rng = np.random.default_rng(7)
+    for trial in range(200):
+        J, N = int(rng.integers(1, 12)), int(rng.integers(1, 17))
+        pool = rng.integers(0, 3, size=(int(rng.integers(1, 6)), J, N)).astype(np.int16)
+        variants = pool[rng.integers(len(pool), size=20)].copy()
+        one = rng.random(20) < 0.5  # a one-cell change
+        variants[one, rng.integers(J), rng.integers(N)] += 1
+        pop, off, new = (variants[rng.integers(20, size=int(rng.integers(0, 30)))] for _ in "pon")
+        keep = _kernels.fresh_rows(pop, off, new)
+        want = PolluxPolicy._dedupe(np.concatenate([pop, off]), new)
+        np.testing.assert_array_equal(new[keep], want, err_msg=f"trial {trial}")

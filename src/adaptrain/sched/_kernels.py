@@ -10,7 +10,9 @@ points.
 With numba installed (in the ``sched`` and ``test`` extras; without it the numpy code runs),
 these run here as loops compiled once (``cache=True``: later processes load them from disk):
 the NSGA-II non-dominated sorting and crowding distance, the weighted search's evaluation, the
-repair of candidates and the sparse mutation. They compute what the numpy code computes:
+repair of candidates and the sparse mutation (session 57); the tournaments and crossover, the
+dropping of duplicate children and the survival step (session 58), so that a generation is a
+few compiled calls between the generator's draws. They compute what the numpy code computes:
 
 - in the same order of floating-point operations: sums over jobs follow numpy's pairwise
   summation (:func:`_pairwise`), and products, quotients and differences are single IEEE
@@ -18,9 +20,12 @@ repair of candidates and the sparse mutation. They compute what the numpy code c
 - with the same random numbers: the callers draw them from the search's generator with
   numpy, the same count in the same order (consecutive uniform draws merged into one call
   read the same stream), and the kernels consume them where the numpy code would;
-- in the same order of sorting: stable sorts, as numpy's ``lexsort``; a row's random order of
-  nodes is the stable sort of its draws, numpy's order whenever the draws differ (equal
-  doubles among 16 draws: a chance of about 2**-46);
+- in the same order of sorting: stable sorts, as numpy's ``lexsort`` (the survivors by rank,
+  then by crowding distance, descending); a row's random order of nodes is the stable sort
+  of its draws, numpy's order whenever the draws differ (equal doubles among 16 draws: a
+  chance of about 2**-46);
+- with the same duplicates dropped: children equal to a parent, to an earlier child or to
+  each other, compared cell by cell (a row hash only narrows the comparisons);
 - with the same rules, quirks included: the interference repair drops every job after a
   node's second multi-node job there, multi-node or not, as numpy's running count over jobs
   (and the artifact's) does.
@@ -36,13 +41,16 @@ import numpy as np
 
 __all__ = [
     "AVAILABLE",
+    "breed",
     "crowding",
     "evaluate_weighted",
+    "fresh_rows",
     "mutate_cells",
     "mutate_rows",
     "nondominated_ranks",
     "repair_bounds",
     "repair_fill",
+    "survive",
 ]
 
 try:  # pragma: no branch - one or the other per environment
@@ -453,3 +461,110 @@ def nondominated_ranks(F):  # pragma: no cover - compiled
             f0_at_min[k] = f0
         rank[i] = k
     return rank
+
+
+@_njit
+def breed(pop, rank, crowd, a1, b1, a2, b2, points, coin):  # pragma: no cover - compiled
+    """The children of one batch of :meth:`adaptrain.sched.pollux.PolluxPolicy._generation`,
+    before mutation: two binary tournaments (``a1`` against ``b1``, ``a2`` against ``b2``:
+    ``b`` wins on a lower rank, or on the same rank with a larger crowding distance), then a
+    one-point crossover over jobs of each pair (the first ``points[i]`` jobs swapped where
+    ``coin[i] < 0.9``); the first children first, then the second, as the numpy code
+    concatenates them."""
+    m = a1.shape[0]
+    J, N = pop.shape[1], pop.shape[2]
+    out = np.empty((2 * m, J, N), dtype=pop.dtype)
+    for i in range(m):
+        a, b = a1[i], b1[i]
+        x = b if rank[b] < rank[a] or (rank[b] == rank[a] and crowd[b] > crowd[a]) else a
+        a, b = a2[i], b2[i]
+        y = b if rank[b] < rank[a] or (rank[b] == rank[a] and crowd[b] > crowd[a]) else a
+        cut = points[i, 0] if coin[i, 0] < 0.9 else 0
+        for j in range(J):
+            first, second = (y, x) if j < cut else (x, y)
+            for k in range(N):
+                out[i, j, k] = pop[first, j, k]
+                out[m + i, j, k] = pop[second, j, k]
+    return out
+
+
+@_njit
+def _row_hashes(states):  # pragma: no cover - compiled
+    """A 64-bit FNV-1a hash of each candidate's counts (equal rows, equal hashes)."""
+    P = states.shape[0]
+    flat = states.reshape(P, -1)
+    out = np.empty(P, dtype=np.uint64)
+    prime = np.uint64(1099511628211)
+    for p in range(P):
+        h = np.uint64(14695981039346656037)
+        for t in range(flat.shape[1]):
+            h = (h ^ np.uint64(np.int64(flat[p, t]) & 0xFFFF)) * prime
+        out[p] = h
+    return out
+
+
+@_njit
+def _same_row(a, i, b, k):  # pragma: no cover - compiled
+    fa, fb = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
+    for t in range(fa.shape[1]):
+        if fa[i, t] != fb[k, t]:
+            return False
+    return True
+
+
+@_njit
+def fresh_rows(pop, off, new):  # pragma: no cover - compiled
+    """:meth:`adaptrain.sched.pollux.PolluxPolicy._dedupe` of ``new`` against ``pop`` and
+    ``off``: the indices of ``new``'s rows found in neither, each at its first occurrence, in
+    order (rows compared in full where their hashes agree)."""
+    hp, ho, hn = _row_hashes(pop), _row_hashes(off), _row_hashes(new)
+    keep = np.empty(new.shape[0], dtype=np.int64)
+    kept = 0
+    for i in range(new.shape[0]):
+        dup = False
+        for k in range(pop.shape[0]):
+            if hp[k] == hn[i] and _same_row(new, i, pop, k):
+                dup = True
+                break
+        if not dup:
+            for k in range(off.shape[0]):
+                if ho[k] == hn[i] and _same_row(new, i, off, k):
+                    dup = True
+                    break
+        if not dup:
+            for t in range(kept):
+                k = keep[t]
+                if hn[k] == hn[i] and _same_row(new, i, new, k):
+                    dup = True
+                    break
+        if not dup:
+            keep[kept] = i
+            kept += 1
+    return keep[:kept]
+
+
+@_njit
+def survive(pop, off, F, F_off, size):  # pragma: no cover - compiled
+    """The end of :meth:`adaptrain.sched.pollux.PolluxPolicy._generation`: parents and
+    children ranked and crowded together, the first ``size`` by (rank, -crowding) kept (a
+    stable sort, as ``lexsort``), with their objectives, ranks and recomputed crowding."""
+    n, m = pop.shape[0], off.shape[0]
+    Fm = np.empty((n + m, F.shape[1]))
+    Fm[:n] = F
+    Fm[n:] = F_off
+    rank = nondominated_ranks(Fm)
+    neg = -crowding(Fm, rank)
+    by_crowd = np.argsort(neg, kind="mergesort")
+    order = by_crowd[np.argsort(rank[by_crowd], kind="mergesort")][:size]
+    out = np.empty((order.shape[0], pop.shape[1], pop.shape[2]), dtype=pop.dtype)
+    F_out = np.empty((order.shape[0], F.shape[1]))
+    rank_out = np.empty(order.shape[0], dtype=np.int64)
+    for t in range(order.shape[0]):
+        i = order[t]
+        for j in range(pop.shape[1]):
+            for k in range(pop.shape[2]):
+                out[t, j, k] = pop[i, j, k] if i < n else off[i - n, j, k]
+        for c in range(F.shape[1]):
+            F_out[t, c] = Fm[i, c]
+        rank_out[t] = rank[i]
+    return out, F_out, rank_out, crowding(F_out, rank_out)

@@ -571,6 +571,34 @@ class PolluxPolicy:
         return out
 
     def _generation(self, pop, F, rank, crowd, base: np.ndarray):
+        """One NSGA-II generation: children bred by tournaments, crossover, mutation and repair
+        (duplicates of the population dropped, up to five batches), then the fittest
+        ``pop_size`` of parents and children by (rank, -crowding). Compiled where numba is
+        installed (:mod:`adaptrain.sched._kernels`: the same draws in the same order, the same
+        population)."""
+        if not _kernels.AVAILABLE:
+            return self._generation_numpy(pop, F, rank, crowd, base)
+        rng = self.rng
+        n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
+        P, J = len(pop), pop.shape[1]
+        off = pop[:0]
+        for _ in range(5):  # refill if duplicates were dropped
+            # the numpy code's draws in its order: two tournaments, then the crossover's
+            a1, b1 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
+            a2, b2 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
+            points, coin = rng.integers(J, size=(n_mate, 1)), rng.random((n_mate, 1))
+            new = _kernels.breed(pop, rank, crowd, a1, b1, a2, b2, points, coin)
+            new = self._repair(self._mutation(new, base))
+            off = np.concatenate([off, new[_kernels.fresh_rows(pop, off, new)]])
+            if len(off) >= self.pop_size:
+                break
+        off = off[: self.pop_size]
+        if len(off) == 0:
+            return pop, F, rank, crowd
+        return _kernels.survive(pop, off, F, self._evaluate(off, base), self.pop_size)
+
+    def _generation_numpy(self, pop, F, rank, crowd, base: np.ndarray):
+        """:meth:`_generation` in numpy."""
         rng = self.rng
         n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
 
