@@ -490,7 +490,8 @@ def breed(pop, rank, crowd, a1, b1, a2, b2, points, coin):  # pragma: no cover -
 
 @_njit
 def _row_hashes(states):  # pragma: no cover - compiled
-    """A 64-bit FNV-1a hash of each candidate's counts (equal rows, equal hashes)."""
+    """A 64-bit FNV-1a-style hash of each candidate's counts, one 16-bit count at a time
+    (equal rows, equal hashes)."""
     P = states.shape[0]
     flat = states.reshape(P, -1)
     out = np.empty(P, dtype=np.uint64)
