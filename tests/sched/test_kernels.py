@@ -5,6 +5,10 @@ the generator left in the same state), and whole searches over warm-started roun
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+
 import numpy as np
 import pytest
 from test_table_cells import _speedup  # sub-linear in replicas, computed cell by cell
@@ -246,3 +250,83 @@ def test_fresh_rows_equal_numpys_dedupe():
         keep = _kernels.fresh_rows(pop, off, new)
         want = PolluxPolicy._dedupe(np.concatenate([pop, off]), new)
         np.testing.assert_array_equal(new[keep], want, err_msg=f"trial {trial}")
+
+
+def _ctrl_c_in_kernel(*args, **kwargs):
+    """What CPython raises when a Ctrl-C is handled as a compiled kernel returns (numba runs a
+    little Python code while boxing its results, and boxing the next result with the
+    interrupt set fails the same way)."""
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as exc:
+            raise SystemError(
+                "<function _numba_unpickle> returned a result with an exception set"
+            ) from exc
+    except SystemError as exc:
+        raise SystemError(
+            "CPUDispatcher(<function survive>) returned a result with an exception set"
+        ) from exc
+
+
+@pytest.mark.parametrize("entry", ["pollux", "refine", "fitness"])
+def test_a_ctrl_c_during_a_kernel_reaches_the_caller_as_keyboard_interrupt(entry, monkeypatch):
+    rng = np.random.default_rng(8)
+    jobs, nodes, base = _cluster(rng, 6)
+    weights = dict.fromkeys(jobs, 1.0)
+
+    def search():
+        if entry == "pollux":
+            return PolluxPolicy(pop_size=4, generations=1).optimize(jobs, nodes, base, 0.0)
+        if entry == "refine":
+            return WeightedGeneticSearch(pop_size=4, generations=1).refine(
+                jobs, nodes, base, weights, base
+            )
+        return WeightedGeneticSearch().fitness(jobs, nodes, base, weights, base)
+
+    for cls in (PolluxPolicy, WeightedGeneticSearch):
+        monkeypatch.setattr(cls, "_evaluate", _ctrl_c_in_kernel)
+    with pytest.raises(KeyboardInterrupt):
+        search()
+
+    def broken(*args, **kwargs):
+        raise SystemError("another failure")
+
+    for cls in (PolluxPolicy, WeightedGeneticSearch):  # any other SystemError as it is
+        monkeypatch.setattr(cls, "_evaluate", broken)
+    with pytest.raises(SystemError, match="another failure"):
+        search()
+
+
+def test_a_real_sigint_during_kernel_calls_is_a_keyboard_interrupt():
+    """SIGINTs sent while kernels run: numba handles each as it boxes a kernel's results, and
+    CPython then raises a chain of SystemErrors; the searches' entry points raise the
+    KeyboardInterrupt behind it (the loop runs until the signal is in, so none lands later)."""
+    rng = np.random.default_rng(9)
+    pop = rng.integers(0, 3, size=(60, 30, 16)).astype(np.int16)
+    F = rng.random((60, 2))
+    _kernels.survive(pop, pop, F, F, 60)  # compiled (or loaded) before the clock starts
+
+    def loop():
+        while True:
+            _kernels.survive(pop, pop, F, F, 60)
+
+    for delay in (0.001, 0.003, 0.01):
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises((SystemError, KeyboardInterrupt)) as raw:
+                loop()  # numba 0.68: a chain of SystemErrors
+        finally:
+            timer.join()
+        cause = raw.value
+        while isinstance(cause, SystemError):
+            cause = cause.__cause__
+        assert isinstance(cause, KeyboardInterrupt)
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                _kernels.interruptible(loop)()
+        finally:
+            timer.join()

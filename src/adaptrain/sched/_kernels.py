@@ -37,6 +37,10 @@ and whole warm-started searches against the numpy searches.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import numpy as np
 
 __all__ = [
@@ -45,6 +49,7 @@ __all__ = [
     "crowding",
     "evaluate_weighted",
     "fresh_rows",
+    "interruptible",
     "mutate_cells",
     "mutate_rows",
     "nondominated_ranks",
@@ -60,6 +65,35 @@ except ImportError:  # numba not installed (or not yet for this Python): numpy's
 
 #: whether the compiled kernels are in use (numba importable)
 AVAILABLE = numba is not None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def interruptible(method: _F) -> _F:
+    """``method`` with a Ctrl-C that arrives during a kernel call raised as the
+    ``KeyboardInterrupt`` it is.
+
+    numba's dispatcher runs a little Python code as a kernel returns (it unpickles the types
+    it boxes the results with); a SIGINT handled there leaves ``KeyboardInterrupt`` set while
+    the kernel's result comes back, which CPython reports as a ``SystemError`` ("returned a
+    result with an exception set") caused by it (through another such ``SystemError`` when the
+    dispatcher boxes several results), and a caller's ``except KeyboardInterrupt``
+    (``adaptrain simulate``'s one-line exit, for one) would miss it."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except SystemError as exc:
+            cause: BaseException | None = exc
+            while isinstance(cause, SystemError):
+                cause = cause.__cause__
+            if isinstance(cause, KeyboardInterrupt):
+                raise cause from None
+            raise
+
+    return call  # type: ignore[return-value]
 
 
 def _njit(fn):
@@ -506,6 +540,7 @@ def _row_hashes(states):  # pragma: no cover - compiled
 
 @_njit
 def _same_row(a, i, b, k):  # pragma: no cover - compiled
+    """Whether candidate ``i`` of ``a`` and candidate ``k`` of ``b`` hold the same counts."""
     fa, fb = a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1)
     for t in range(fa.shape[1]):
         if fa[i, t] != fb[k, t]:

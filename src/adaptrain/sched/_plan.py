@@ -165,6 +165,7 @@ class WeightedGeneticSearch(PolluxPolicy):
         self._grow_costs = np.array([float(grow_costs.get(k, self.grow_cost)) for k in job_keys])
         return job_keys, node_keys, base, state
 
+    @_kernels.interruptible
     def refine(
         self,
         jobs: Mapping[str, JobInfo],
@@ -217,6 +218,7 @@ class WeightedGeneticSearch(PolluxPolicy):
         out = self._allocations(pop[best], job_keys, node_keys)
         return self._keep_pinned(out, job_keys, base_allocations)
 
+    @_kernels.interruptible
     def fitness(
         self,
         jobs: Mapping[str, JobInfo],

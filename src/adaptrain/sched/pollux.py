@@ -501,6 +501,7 @@ class PolluxPolicy:
         return off[keep]
 
     # ---- main entry -------------------------------------------------------------------------
+    @_kernels.interruptible
     def optimize(
         self,
         jobs: Mapping[str, JobInfo],
