@@ -313,9 +313,9 @@ def test_a_real_sigint_during_kernel_calls_is_a_keyboard_interrupt():
 
     for delay in (0.001, 0.003, 0.01):
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
         try:
             with pytest.raises((SystemError, KeyboardInterrupt)) as raw:
+                timer.start()  # inside the block: the interrupt cannot escape the test
                 loop()  # numba 0.68: a chain of SystemErrors
         finally:
             timer.join()
@@ -324,9 +324,9 @@ def test_a_real_sigint_during_kernel_calls_is_a_keyboard_interrupt():
             cause = cause.__cause__
         assert isinstance(cause, KeyboardInterrupt)
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
+                timer.start()
                 _kernels.interruptible(loop)()
         finally:
             timer.join()
