@@ -21,9 +21,10 @@ final population warm-starts the next round. The returned allocation maximises t
 The NSGA-II machinery (non-dominated sorting, crowding distance) is vectorised numpy over the
 whole population, as the issue allows; ``tests/sched/test_policies.py`` checks both against
 pymoo's implementations (ranks equal; crowding equal up to pymoo's averaging over objectives).
-With numba installed, the non-dominated sorting, the crowding distance, the repair and the
-sparse mutation (and the weighted search's evaluation) run as compiled loops with the same
-results and random draws (:mod:`adaptrain.sched._kernels`).
+With numba installed, a generation (tournaments and crossover, the repair, the sparse mutation,
+the dropping of duplicates, the non-dominated sorting, crowding distance and survival, and the
+weighted search's evaluation) runs as compiled loops with the same results and random draws
+(:mod:`adaptrain.sched._kernels`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,20 @@ def _crowding_numpy(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
             d[edge] = np.inf
             dist[order] += d
     return dist
+
+
+def _breed_numpy(pop, rank, crowd, a1, b1, a2, b2, points, coin) -> np.ndarray:
+    """:func:`adaptrain.sched._kernels.breed` in numpy: binary tournaments (``b`` wins on a
+    lower rank, or on the same rank with a larger crowding distance), then a one-point
+    crossover over jobs where ``coin < 0.9``; the first children, then the second."""
+
+    def winners(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        better_b = (rank[b] < rank[a]) | ((rank[b] == rank[a]) & (crowd[b] > crowd[a]))
+        return np.where(better_b, b, a)
+
+    x, y = pop[winners(a1, b1)], pop[winners(a2, b2)]
+    mask = ((np.arange(pop.shape[1])[None, :] < points) & (coin < 0.9))[:, :, None]
+    return np.concatenate([np.where(mask, y, x), np.where(mask, x, y)])
 
 
 _STATE_DTYPE = np.int16  # replica counts per (job, node) cell
@@ -331,13 +346,6 @@ class PolluxPolicy:
         return (util * shares).sum(axis=1)
 
     # ---- genetic operators ------------------------------------------------------------------
-    def _crossover(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        m, J, _ = a.shape
-        points = self.rng.integers(J, size=(m, 1))
-        mask = (np.arange(J)[None, :] < points) & (self.rng.random((m, 1)) < 0.9)
-        mask = mask[:, :, None]
-        return np.where(mask, b, a), np.where(mask, a, b)
-
     def _mutation(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
         """Mutated copies of ``states`` (see the module docstring); the sparse draws compiled
         where numba is installed (:mod:`adaptrain.sched._kernels`: the same values and
@@ -576,52 +584,35 @@ class PolluxPolicy:
         (duplicates of the population dropped, up to five batches), then the fittest
         ``pop_size`` of parents and children by (rank, -crowding). Compiled where numba is
         installed (:mod:`adaptrain.sched._kernels`: the same draws in the same order, the same
-        population)."""
-        if not _kernels.AVAILABLE:
-            return self._generation_numpy(pop, F, rank, crowd, base)
+        population); numpy otherwise."""
         rng = self.rng
+        compiled = _kernels.AVAILABLE
         n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
         P, J = len(pop), pop.shape[1]
         off = pop[:0]
         for _ in range(5):  # refill if duplicates were dropped
-            # the numpy code's draws in its order: two tournaments, then the crossover's
+            # two tournaments, then the crossover's draws
             a1, b1 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
             a2, b2 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
             points, coin = rng.integers(J, size=(n_mate, 1)), rng.random((n_mate, 1))
-            new = _kernels.breed(pop, rank, crowd, a1, b1, a2, b2, points, coin)
+            breed = _kernels.breed if compiled else _breed_numpy
+            new = breed(pop, rank, crowd, a1, b1, a2, b2, points, coin)
             new = self._repair(self._mutation(new, base))
-            off = np.concatenate([off, new[_kernels.fresh_rows(pop, off, new)]])
+            if compiled:
+                new = new[_kernels.fresh_rows(pop, off, new)]
+            else:
+                new = self._dedupe(np.concatenate([pop, off]), new)
+            off = np.concatenate([off, new])
             if len(off) >= self.pop_size:
                 break
         off = off[: self.pop_size]
         if len(off) == 0:
             return pop, F, rank, crowd
-        return _kernels.survive(pop, off, F, self._evaluate(off, base), self.pop_size)
-
-    def _generation_numpy(self, pop, F, rank, crowd, base: np.ndarray):
-        """:meth:`_generation` in numpy."""
-        rng = self.rng
-        n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
-
-        def tournament(size: int) -> np.ndarray:
-            a = rng.integers(len(pop), size=size)
-            b = rng.integers(len(pop), size=size)
-            better_b = (rank[b] < rank[a]) | ((rank[b] == rank[a]) & (crowd[b] > crowd[a]))
-            return np.where(better_b, b, a)
-
-        off = np.empty((0, *pop.shape[1:]), dtype=pop.dtype)
-        for _ in range(5):  # refill if duplicates were dropped
-            c1, c2 = self._crossover(pop[tournament(n_mate)], pop[tournament(n_mate)])
-            new = np.concatenate([c1, c2])
-            new = self._repair(self._mutation(new, base))
-            off = np.concatenate([off, self._dedupe(np.concatenate([pop, off]), new)])
-            if len(off) >= self.pop_size:
-                break
-        off = off[: self.pop_size]
-        if len(off) == 0:
-            return pop, F, rank, crowd
+        F_off = self._evaluate(off, base)
+        if compiled:
+            return _kernels.survive(pop, off, F, F_off, self.pop_size)
         merged = np.concatenate([pop, off])
-        Fm = np.concatenate([F, self._evaluate(off, base)])
+        Fm = np.concatenate([F, F_off])
         rank = nondominated_ranks(Fm)
         crowd = _crowding(Fm, rank)
         order = np.lexsort((-crowd, rank))[: self.pop_size]
