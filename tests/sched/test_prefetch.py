@@ -121,3 +121,119 @@ def test_workers_that_cannot_start_leave_a_serial_run(tiny_traces, monkeypatch, 
         res = run(1)
     assert "could not start 1 fit worker" in caplog.text and "daemonic" in caplog.text
     assert res.jcts == ref.jcts and len(res.jcts) == 2
+
+
+# A Ctrl-C while the workers start or stop (session 59). A KeyboardInterrupt in the middle of
+# starting a spawned worker cut the pickled arguments it was reading: it died with a traceback
+# ("pickle data was truncated", or "No such file or directory" for a semaphore its parent had
+# already unlinked) after the parent's own message, and a resource tracker could count a
+# semaphore as leaked. Real SIGINTs, raised at the exact point by wrapping the function that
+# spawns the worker (after the child exists, before its arguments are written).
+_START_SCRIPT = """
+import multiprocessing, signal, sys
+from multiprocessing import util
+from adaptrain.sched import load_applications
+from adaptrain.sched._prefetch import FitPrefetcher
+
+spawn = util.spawnv_passfds
+
+def spawn_then_interrupt(path, args, passfds):
+    pid = spawn(path, args, passfds)
+    if "--multiprocessing-fork" in args:  # a worker (not the resource tracker)
+        signal.raise_signal(signal.SIGINT)
+    return pid
+
+if __name__ == "__main__":
+    apps = load_applications(sys.argv[1])
+    util.spawnv_passfds = spawn_then_interrupt
+    try:
+        FitPrefetcher(apps, 1)
+        print("not interrupted")
+    except KeyboardInterrupt:
+        print("interrupted;", len(multiprocessing.active_children()), "children")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_while_the_workers_start_stops_them_then_interrupts(tiny_traces, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "start.py"
+    script.write_text(_START_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_traces],
+        capture_output=True,  # to the end: also what the worker and the tracker write
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "interrupted; 0 children"
+    assert proc.stderr == ""  # no worker's traceback, no tracker's warning
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_the_workers_stop_still_stops_them(tiny_traces, monkeypatch):
+    import multiprocessing
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread, to handle SIGINT")
+    prefetcher = FitPrefetcher(load_applications(tiny_traces), 1)
+    procs = list(prefetcher._procs)
+    join = multiprocessing.process.BaseProcess.join
+    raised = []
+
+    def join_then_interrupt(self, timeout=None):
+        if not raised:  # the first wait for a worker to end
+            raised.append(True)
+            signal.raise_signal(signal.SIGINT)
+        return join(self, timeout)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "join", join_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prefetcher.close()
+    assert raised and not prefetcher.active
+    assert all(p.exitcode is not None for p in procs)  # stopped and reaped, not left running
+    assert prefetcher._tasks._closed and prefetcher._results._closed
+
+
+@pytest.mark.timeout(60)
+def test_close_ends_the_workers_even_with_the_claims_lock_left_held(tiny_traces):
+    # A KeyboardInterrupt that lands just as the caller takes the lock (inside `with`, before
+    # its block) leaves it held: close() waited for it for ever (a hang after a Ctrl-C).
+    prefetcher = FitPrefetcher(load_applications(tiny_traces), 1)
+    procs = list(prefetcher._procs)
+    assert prefetcher._lock.acquire(timeout=5)  # held, and never released
+    prefetcher.close()
+    assert not prefetcher.active
+    assert all(p.exitcode is not None for p in procs)
+
+
+def test_sigint_held_delivers_one_at_the_end_and_a_second_at_once():
+    import signal
+    import threading
+
+    from adaptrain.sched._prefetch import _sigint_held
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread, to handle SIGINT")
+    before = signal.getsignal(signal.SIGINT)
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_held() as held:
+            signal.raise_signal(signal.SIGINT)
+            steps.append(list(held))  # recorded, not raised
+    assert steps == [[signal.SIGINT]]
+    assert signal.getsignal(signal.SIGINT) is before
+    with pytest.raises(KeyboardInterrupt):
+        with _sigint_held():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # insists: raised here
+            steps.append("not reached")
+    assert steps == [[signal.SIGINT]]
+    assert signal.getsignal(signal.SIGINT) is before
+    with _sigint_held() as held:  # none: nothing raised
+        pass
+    assert held == []

@@ -54,7 +54,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub_parser = argparse.ArgumentParser(prog=f"adaptrain {rest[0]}", description=module.HELP)
     module.add_arguments(sub_parser)
     args = sub_parser.parse_args(rest[1:])
-    return int(module.run(args) or 0)
+    code = int(module.run(args) or 0)
+    _forget_handled_interrupts()
+    return code
+
+
+def _forget_handled_interrupts() -> None:
+    """Clear CPython's note of a KeyboardInterrupt that the sub-command caught and handled.
+
+    CPython (3.8 and later) notes a KeyboardInterrupt that ends any code run from source text
+    (``exec`` or ``eval`` of a string, as scipy and numpy do inside some of their imports) in
+    a flag that ``python -m`` reads as the interpreter exits: set, the process kills itself
+    with SIGINT, whatever status the program returned, even when the interrupt was caught.
+    A Ctrl-C that landed in such an import made ``python -m adaptrain simulate`` end by signal
+    instead of with its status 130. Evaluating any string resets the flag as it starts, and a
+    command that returned has handled every interrupt it met (one it had not would have
+    propagated), so this evaluates an empty one.
+    """
+    exec("")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -28,8 +28,10 @@ import multiprocessing
 import pickle
 import queue
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from itertools import islice
 from typing import Any
 
@@ -43,6 +45,47 @@ logger = logging.getLogger(__name__)
 _SLOTS = 1 << 16
 _FREE, _WORKER, _CALLER = 0, 1, 2  # who runs a task: nobody yet, a worker, the caller
 _STOP = None  # the message that ends a worker
+
+
+@contextmanager
+def _sigint_held() -> Iterator[list[int]]:
+    """Hold a SIGINT that arrives inside the block until the block ends, then deliver it.
+
+    Starting or stopping worker processes is not safe to interrupt. A KeyboardInterrupt in the
+    middle of starting one cuts the pickled arguments a spawned child is reading (it dies with
+    "pickle data was truncated", or "No such file or directory" once the parent has unlinked
+    the semaphores it was about to open). So the blocks that start or stop workers run with
+    SIGINT recorded instead of handled, and the signal is raised again, under the handler it
+    would have met, as the block ends: a Ctrl-C still interrupts, once the workers are in a
+    state :meth:`FitPrefetcher.close` can clean up; a second SIGINT meanwhile is delivered at
+    once. (Blocking the signal with ``pthread_sigmask`` would not do: the kernel hands a
+    process-wide signal to another thread that does not block it, such as a BLAS worker, and
+    the main thread then raises at once.) Outside the main thread, where no handler can be
+    set, or under a handler set outside Python, which could not be put back, the block runs
+    as it is. Yields the signals held so far (empty or ``[SIGINT]``).
+    """
+    held: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield held
+        return
+
+    def hold(signum: int, frame: object) -> None:
+        if not held:
+            held.append(signum)
+            return
+        # a second Ctrl-C: the user insists, so it is delivered at once
+        held.clear()
+        signal.signal(signal.SIGINT, previous)
+        signal.raise_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _newest(cache: dict, before: int) -> list[tuple[Any, Any]]:
@@ -126,8 +169,29 @@ class FitPrefetcher:
     def __init__(self, applications: Mapping[str, Application], workers: int = 1) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1 (0: do not create a prefetcher)")
-        ctx = multiprocessing.get_context("spawn")
         self.workers = workers
+        self._seq = 0
+        self._pending: dict[str, int] = {}  # job name -> its task
+        self._done: dict[int, tuple] = {}  # results received for pending tasks
+        self.active = False
+        #: fits and batch-size choices taken from the workers into the memos
+        self.fits_taken = 0
+        self.bszs_taken = 0
+        #: tasks the workers ran and whose results were received, of them taken, and the
+        #: seconds the workers spent on them
+        self.tasks_run = 0
+        self.tasks_taken = 0
+        self.tasks_claimed = 0  # by the caller, in order(): it computed those fits itself
+        self.worker_seconds = 0.0
+        with _sigint_held() as held:
+            self._start(applications)
+            self.active = True
+            if held:  # a Ctrl-C came while they started: stop them at once, then deliver it
+                self._shut(graceful=False)
+
+    def _start(self, applications: Mapping[str, Application]) -> None:
+        """The queues, shared tables and worker processes."""
+        ctx = multiprocessing.get_context("spawn")
         self._tasks = ctx.Queue()  # (its feeder thread writes: no put waits for a worker)
         self._results = ctx.Queue()
         self._claims = ctx.RawArray("b", _SLOTS)
@@ -141,7 +205,7 @@ class FitPrefetcher:
                 daemon=True,
                 name=f"adaptrain-fit-prefetch-{i}",
             )
-            for i in range(workers)
+            for i in range(self.workers)
         ]
         try:
             for proc in self._procs:
@@ -152,19 +216,6 @@ class FitPrefetcher:
                     proc.terminate()
                     proc.join()
             raise
-        self._seq = 0
-        self._pending: dict[str, int] = {}  # job name -> its task
-        self._done: dict[int, tuple] = {}  # results received for pending tasks
-        self.active = True
-        #: fits and batch-size choices taken from the workers into the memos
-        self.fits_taken = 0
-        self.bszs_taken = 0
-        #: tasks the workers ran and whose results were received, of them taken, and the
-        #: seconds the workers spent on them
-        self.tasks_run = 0
-        self.tasks_taken = 0
-        self.tasks_claimed = 0  # by the caller, in order(): it computed those fits itself
-        self.worker_seconds = 0.0
 
     def submit(
         self,
@@ -311,23 +362,41 @@ class FitPrefetcher:
         )
         self.close()
 
-    def close(self) -> None:
-        """Stop the workers (tasks not taken are dropped)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the workers (tasks not taken are dropped). ``wait``: each worker ends after its
+        task, within 10 s; else they are terminated at once (after an interrupt or an error,
+        when nothing more will be taken from them). A Ctrl-C meanwhile is delivered once they
+        have stopped (:func:`_sigint_held`)."""
+        with _sigint_held():
+            self._shut(graceful=wait)
+
+    def _shut(self, graceful: bool) -> None:
+        """Stop the workers: ``graceful`` ends each after its task (waiting up to 10 s), else
+        they are terminated at once."""
         if not self.active:
             return
         self.active = False
         self._pending, self._done = {}, {}
-        with self._lock:  # no worker starts another task
-            for slot in range(_SLOTS):
-                if self._claims[slot] == _FREE:
-                    self._claims[slot] = _CALLER
-        for _ in self._procs:
-            self._tasks.put(_STOP)
+        # The claims' lock within a second, or no graceful end: a KeyboardInterrupt that
+        # landed just as this process took it (inside ``with``, before the block) leaves it
+        # held for ever, and a worker killed while holding it would too.
+        if graceful and self._lock.acquire(timeout=1.0):
+            try:  # no worker starts another task
+                for slot in range(_SLOTS):
+                    if self._claims[slot] == _FREE:
+                        self._claims[slot] = _CALLER
+            finally:
+                self._lock.release()
+            for _ in self._procs:
+                self._tasks.put(_STOP)
+        else:
+            graceful = False
         for proc in self._procs:
-            proc.join(timeout=10.0)
+            if graceful:
+                proc.join(timeout=10.0)
             if proc.is_alive():
                 proc.terminate()
-                proc.join()
+            proc.join()
         for q in (self._tasks, self._results):
             q.close()
             q.cancel_join_thread()  # nobody reads them any more

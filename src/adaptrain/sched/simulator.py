@@ -764,20 +764,20 @@ class Simulator:
         idle_rounds = 0
         shown = _Progress(self) if progress else None
         finished = False
-        if self.fit_workers and self.kind == "adaptive":
-            from ._prefetch import FitPrefetcher
-
-            try:
-                self._prefetch = FitPrefetcher(self.applications, self.fit_workers)
-            except Exception as exc:  # noqa: BLE001 - the workers only save time
-                logger.warning(
-                    "could not start %d fit worker(s) (%s: %s); simulating with every fit in "
-                    "this process (the same results)",
-                    self.fit_workers,
-                    type(exc).__name__,
-                    exc,
-                )
         try:
+            if self.fit_workers and self.kind == "adaptive":
+                from ._prefetch import FitPrefetcher
+
+                try:
+                    self._prefetch = FitPrefetcher(self.applications, self.fit_workers)
+                except Exception as exc:  # noqa: BLE001 - the workers only save time
+                    logger.warning(
+                        "could not start %d fit worker(s) (%s: %s); simulating with every fit "
+                        "in this process (the same results)",
+                        self.fit_workers,
+                        type(exc).__name__,
+                        exc,
+                    )
             while not self.all_complete():
                 if max_time is not None and self.current_time >= max_time:
                     break
@@ -802,8 +802,8 @@ class Simulator:
                     callback(self)
             finished = True
         finally:  # the bar ends its line also on Ctrl-C or a stall
-            if self._prefetch is not None:
-                self._prefetch.close()
+            if self._prefetch is not None:  # (interrupted or failed: no wait for the workers)
+                self._prefetch.close(wait=finished)
                 self.prefetch_stats = self._prefetch.stats()
                 self._prefetch = None
             if shown is not None:
