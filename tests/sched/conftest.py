@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 import pytest
 
@@ -56,3 +58,14 @@ def tiny_traces(tmp_path):
     traces.mkdir()
     write_tiny_app(traces)
     return str(traces)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test, as in a terminal, even in a run started
+    as a background job (``cmd &``), which inherits SIGINT ignored and so gets no handler."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("needs the main thread, to handle SIGINT")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

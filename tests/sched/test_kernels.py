@@ -298,7 +298,7 @@ def test_a_ctrl_c_during_a_kernel_reaches_the_caller_as_keyboard_interrupt(entry
         search()
 
 
-def test_a_real_sigint_during_kernel_calls_is_a_keyboard_interrupt():
+def test_a_real_sigint_during_kernel_calls_is_a_keyboard_interrupt(sigint_raises):
     """SIGINTs sent while kernels run: numba handles each as it boxes a kernel's results, and
     CPython then raises a chain of SystemErrors; the searches' entry points raise the
     KeyboardInterrupt behind it (the loop runs until the signal is in, so none lands later)."""

@@ -144,6 +144,7 @@ def spawn_then_interrupt(path, args, passfds):
     return pid
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
     apps = load_applications(sys.argv[1])
     util.spawnv_passfds = spawn_then_interrupt
     try:
@@ -173,13 +174,10 @@ def test_a_ctrl_c_while_the_workers_start_stops_them_then_interrupts(tiny_traces
 
 
 @pytest.mark.timeout(60)
-def test_a_ctrl_c_while_the_workers_stop_still_stops_them(tiny_traces, monkeypatch):
+def test_a_ctrl_c_while_the_workers_stop_still_stops_them(tiny_traces, monkeypatch, sigint_raises):
     import multiprocessing
     import signal
-    import threading
 
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("needs the main thread, to handle SIGINT")
     prefetcher = FitPrefetcher(load_applications(tiny_traces), 1)
     procs = list(prefetcher._procs)
     join = multiprocessing.process.BaseProcess.join
@@ -211,14 +209,11 @@ def test_close_ends_the_workers_even_with_the_claims_lock_left_held(tiny_traces)
     assert all(p.exitcode is not None for p in procs)
 
 
-def test_sigint_held_delivers_one_at_the_end_and_a_second_at_once():
+def test_sigint_held_delivers_one_at_the_end_and_a_second_at_once(sigint_raises):
     import signal
-    import threading
 
     from adaptrain.sched._prefetch import _sigint_held
 
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("needs the main thread, to handle SIGINT")
     before = signal.getsignal(signal.SIGINT)
     steps = []
     with pytest.raises(KeyboardInterrupt):
