@@ -19,7 +19,9 @@ Optimus are deterministic. The seed-to-seed scatter of our policy is 1-3% on one
 adds a ``median`` row: the median average JCT over the seeds and its ratios (the repetitions
 and median of ``BENCHMARKS.md``), the largest seconds per round and the summed wall time. A
 closing summary lists, per policy, the files whose ratio to stored Pollux is <= 0.90 by the
-median and under every seed. The JSON rows (``--json``) carry the seed, or ``"median"``.
+median and under every seed. The JSON rows (``--json``) carry the seed, or ``"median"``. A
+Ctrl-C ends the run with status 130 and loses nothing finished: the rows printed so far stand,
+and ``--json`` gets them.
 ``--processes N`` runs N simulations side by side (a process pool); the figures are the same
 (each simulation is deterministic given its seed), but the wall times then include the
 contention: time the < 5 min target with ``--processes 1`` on an otherwise idle host.
@@ -416,22 +418,41 @@ def main() -> int:
     ]
     tasks = [t for g in groups for t in g]
     rows, final = [], []
-    with contextlib.ExitStack() as stack:
-        if args.processes == 1:
-            results = map(_run, tasks)
-        else:  # results come back in task order, each printed as soon as its turn comes
-            pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(args.processes))
-            results = pool.map(_run, tasks)
-        for g in groups:
-            runs = [next(results) for _ in g]
-            for row in runs:
-                _print_row(row)
-            rows.extend(runs)
-            if len(runs) > 1:
-                rows.append(median_row(runs))
-                _print_row(rows[-1])
-                _print_mean(rows[-1])
-            final.append(rows[-1])  # the median over seeds, or the single run
+    ran = 0
+    try:
+        with contextlib.ExitStack() as stack:
+            if args.processes == 1:
+                results = map(_run, tasks)
+            else:  # results come back in task order, each printed as soon as its turn comes
+                pool = stack.enter_context(concurrent.futures.ProcessPoolExecutor(args.processes))
+                # (an exit callback: it runs before the pool's own exit, which waits)
+                stack.push(lambda kind, exc, tb: _stop_pool_if_interrupted(pool, exc))
+                results = pool.map(_run, tasks)
+            for g in groups:
+                runs = []
+                for _ in g:
+                    runs.append(next(results))
+                    rows.append(runs[-1])
+                    ran += 1
+                    _print_row(runs[-1])
+                if len(runs) > 1:
+                    rows.append(median_row(runs))
+                    _print_row(rows[-1])
+                    _print_mean(rows[-1])
+                final.append(rows[-1])  # the median over seeds, or the single run
+    except KeyboardInterrupt:
+        # Nothing finished is lost: the rows printed so far are whole, and --json gets them.
+        kept = f" and in {args.json}" if args.json else ""
+        print(
+            f"bench_sched: interrupted after {ran} of {len(tasks)} simulations; their rows are "
+            f"above{kept}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=2)
+        return 130
     how = "the median over seeds" if len(args.seed) > 1 else f"seed {args.seed[0]}"
     for pol, d in target_summary(final).items():
         line = f"{pol}: <= {TARGET:.2f} x stored Pollux on {len(d['median'])} of "
@@ -449,6 +470,26 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     return 0
+
+
+def _stop_pool_if_interrupted(
+    pool: concurrent.futures.ProcessPoolExecutor, exc: BaseException | None
+) -> None:
+    """On a KeyboardInterrupt, drop the simulations not started and end those under way, so
+    that the pool's exit does not wait for them (they are lost either way). A terminal's
+    Ctrl-C reaches the workers too; a SIGINT to this process alone does not."""
+    if not isinstance(exc, KeyboardInterrupt):
+        return
+    # (ProcessPoolExecutor.terminate_workers() from Python 3.14; its worker table before,
+    # read before shutdown() drops it)
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        proc.terminate()
 
 
 def _print_row(row: dict) -> None:

@@ -209,8 +209,8 @@ sys.exit(main(["simulate", "w.csv", "--traces", "."]))
 @pytest.mark.timeout(60)
 def test_simulate_ctrl_c_in_source_text_still_exits_130_under_python_m(tmp_path):
     # CPython notes a KeyboardInterrupt that ends code run from a string, even one caught
-    # later, and `python -m` then exits by SIGINT whatever status the program chose (session
-    # 59: 2 of 170 interrupts early in a run ended so, with the message printed).
+    # later, and `python -m` then exits by SIGINT whatever status the program chose: 2 of
+    # session 58's 170 interrupts early in a run ended so, after the message (session 59).
     (tmp_path / "interrupted_cli.py").write_text(_EXEC_INTERRUPTED)
     env = _env()
     src = str(Path(__file__).resolve().parents[1] / "src")

@@ -215,6 +215,48 @@ def test_bench_end_to_end_seeds_loads_and_processes(tmp_path, tiny_app_writer):
     assert "under every seed" not in tiresias and "one run (deterministic)" in tiresias
 
 
+_INTERRUPTING_DRIVER = """
+import signal, sys
+sys.path.insert(0, {bench_dir!r})
+import bench_sched
+
+print_row = bench_sched._print_row
+
+def print_then_interrupt(row):  # a Ctrl-C once the first row is out
+    print_row(row)
+    signal.raise_signal(signal.SIGINT)
+
+bench_sched._print_row = print_then_interrupt
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with it ignored
+    sys.argv = ["bench_sched.py", *sys.argv[1:]]
+    sys.exit(bench_sched.main())
+"""
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_bench_interrupted_keeps_the_finished_rows(tmp_path, tiny_app_writer, processes):
+    """A Ctrl-C: status 130, one line on stderr, the finished rows in --json (nothing
+    finished is lost), and, with a process pool, no wait for the simulations under way."""
+    rows = [("a", 0, "toy", 1, 8), ("b", 53, "toy", 4, 16)]
+    traces = _artifact_data(tmp_path, tiny_app_writer, rows, {"avgs": {"workload-9": 400.0}})
+    driver = tmp_path / "driver.py"
+    driver.write_text(_INTERRUPTING_DRIVER.format(bench_dir=os.path.dirname(BENCH)))
+    out_json = tmp_path / "rows.json"
+    cmd = [sys.executable, str(driver), "--traces", str(traces), "--workloads", "9"]
+    cmd += ["--policies", "tiresias", "waterfill", "--processes", processes]
+    cmd += ["--json", str(out_json)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"bench_sched: interrupted after 1 of 2 simulations; their rows are above and in {out_json}"
+    ]
+    got = json.loads(out_json.read_text())
+    assert [(r["policy"], r["seed"]) for r in got] == [("tiresias", 0)]
+    assert sum(" tiresias " in line for line in proc.stdout.splitlines()) == 1
+    assert " waterfill " not in proc.stdout
+
+
 DIAG = os.path.join(os.path.dirname(BENCH), "diag_sched_models.py")
 
 

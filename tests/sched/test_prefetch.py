@@ -126,9 +126,9 @@ def test_workers_that_cannot_start_leave_a_serial_run(tiny_traces, monkeypatch, 
 # A Ctrl-C while the workers start or stop (session 59). A KeyboardInterrupt in the middle of
 # starting a spawned worker cut the pickled arguments it was reading: it died with a traceback
 # ("pickle data was truncated", or "No such file or directory" for a semaphore its parent had
-# already unlinked) after the parent's own message, and a resource tracker could count a
-# semaphore as leaked. Real SIGINTs, raised at the exact point by wrapping the function that
-# spawns the worker (after the child exists, before its arguments are written).
+# already unlinked) after the parent's own message. Real SIGINTs, raised at the exact point by
+# wrapping the function that spawns the worker (after the child exists, before its arguments
+# are written).
 _START_SCRIPT = """
 import multiprocessing, signal, sys
 from multiprocessing import util
