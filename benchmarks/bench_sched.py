@@ -418,7 +418,6 @@ def main() -> int:
     ]
     tasks = [t for g in groups for t in g]
     rows, final = [], []
-    ran = 0
     try:
         with contextlib.ExitStack() as stack:
             if args.processes == 1:
@@ -433,7 +432,6 @@ def main() -> int:
                 for _ in g:
                     runs.append(next(results))
                     rows.append(runs[-1])
-                    ran += 1
                     _print_row(runs[-1])
                 if len(runs) > 1:
                     rows.append(median_row(runs))
@@ -443,6 +441,7 @@ def main() -> int:
     except KeyboardInterrupt:
         # Nothing finished is lost: the rows printed so far are whole, and --json gets them.
         kept = f" and in {args.json}" if args.json else ""
+        ran = sum(row["seed"] != "median" for row in rows)
         print(
             f"bench_sched: interrupted after {ran} of {len(tasks)} simulations; their rows are "
             f"above{kept}",

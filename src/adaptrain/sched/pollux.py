@@ -587,6 +587,7 @@ class PolluxPolicy:
         population); numpy otherwise."""
         rng = self.rng
         compiled = _kernels.AVAILABLE
+        breed = _kernels.breed if compiled else _breed_numpy
         n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
         P, J = len(pop), pop.shape[1]
         off = pop[:0]
@@ -595,7 +596,6 @@ class PolluxPolicy:
             a1, b1 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
             a2, b2 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
             points, coin = rng.integers(J, size=(n_mate, 1)), rng.random((n_mate, 1))
-            breed = _kernels.breed if compiled else _breed_numpy
             new = breed(pop, rank, crowd, a1, b1, a2, b2, points, coin)
             new = self._repair(self._mutation(new, base))
             if compiled:
