@@ -234,8 +234,12 @@ def test_genetic_state_roundtrip_replays_identically():
     other = WaterfillPolicy(seed=99, genetic_runs=1)
     other.load_state_dict(state)
     assert other.optimize(jobs, nodes, first, 60.0) == second
-    assert WaterfillPolicy(search="local", sparse_theta=None).state_dict() == {}
-    assert WaterfillPolicy(search="local").state_dict() == {"arrivals": {"keys": [], "times": []}}
+    local = WaterfillPolicy(search="local", sparse_theta=None, share_profiles=False)
+    assert local.state_dict() == {}
+    assert WaterfillPolicy(search="local").state_dict() == {
+        "arrivals": {"keys": [], "times": []},
+        "profiles": {},
+    }
 
 
 def test_new_job_without_estimate_is_admitted_ahead_of_a_long_job():

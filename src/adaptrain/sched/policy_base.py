@@ -45,6 +45,10 @@ class JobInfo:
     exploration rule may widen it up to ``replica_limit``, and says so through a
     ``replica_bound(job)`` method (:func:`replica_bound`). Policies without one keep to
     ``max_replicas``.
+    ``application`` names what the job trains, e.g. its model on this cluster's hardware
+    (``None``: unknown): jobs of one application have the same throughput, so a policy may
+    share what one has measured with the others (``WaterfillPolicy(share_profiles=True)``).
+    ``epoch`` is the job's current epoch (``None``: unknown).
     """
 
     creation_timestamp: float
@@ -60,6 +64,8 @@ class JobInfo:
     remaining_work: float | None = None
     max_profiled_replicas: int = 0
     replica_limit: int | None = None
+    application: str | None = None
+    epoch: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

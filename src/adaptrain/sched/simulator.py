@@ -600,6 +600,8 @@ class Simulator:
             replica_limit=limit,
             num_restarts=job.num_restarts or 0,
             age=now - job.submission_time,
+            application=job.app.name,
+            epoch=job.epoch,
             extra={"application": job.app.name, "epoch": job.epoch},
         )
 

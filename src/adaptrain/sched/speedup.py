@@ -69,6 +69,22 @@ class SpeedupFunction:
         if not self.base_goodput > 0:
             raise RuntimeError("goodput on one GPU is not positive; check the goodput model")
 
+    @property
+    def goodput_fn(self) -> Any:
+        """The goodput function this speedup is computed from."""
+        return self._goodput_fn
+
+    def limits(self) -> dict[str, Any]:
+        """The constructor's arguments other than the goodput function: the batch-size limits
+        and the table's size."""
+        return {
+            "max_batch_size": self._max_batch_size,
+            "atomic_bsz_range": self._atomic_bsz_range,
+            "accumulation": self._accumulation,
+            "max_nodes": self._table.shape[0] - 1,
+            "max_replicas": self._table.shape[1] - 1,
+        }
+
     def goodput(self, num_nodes: Any, num_replicas: Any) -> Any:
         """Best goodput at each (num_nodes, num_replicas); 0 for (0, 0)."""
         n = np.asarray(num_nodes, dtype=np.int64)

@@ -209,6 +209,21 @@ calibration on this trace's mix of jobs like ``theta`` itself. Effect over ten s
 0.9001 -> 0.8744/0.9076/0.8788/0.8955 x stored Pollux (``benchmarks/results/sched.md``,
 session 47).
 
+Shared profiles (``share_profiles``, default ``True``): jobs of one application
+(``JobInfo.application``: the same model on the same hardware) have the same throughput, so a
+job that has run on fewer replicas than another of its application is valued by that job's
+throughput fit with its own gradient statistics, and its exploration cap starts from that job's
+largest size (:class:`~adaptrain.sched._profiles.ApplicationProfiles`); a job never run gets
+the application's earliest gradient statistics and the most work seen left in one of its jobs.
+Pollux does not use this label: each of its jobs learns its curve from one GPU up, at most
+doubling a round, a restart a step. On workload-3, ten seeds, the jobs restarted about 20% less
+(2.49 -> 1.98 restarts per job at load 1.0, seed 0), and the average JCT went from 0.9210 to
+0.9152 x stored Pollux at load 1.0 and from 0.9067 to 0.8976 at load 0.5, better under 8 of the
+10 seeds at each load; but workload-6 at load 0.5 went from 0.8990 to 0.9005, and under seed 0
+the 16 files' mean from 0.8744 to 0.8779 (better on 6; every other file at most 0.894)
+(``benchmarks/results/sched.md``, session 60). ``False`` keeps each job to its own
+measurements, as in Pollux.
+
 Genetic patience (``genetic_patience``, default ``None``): stop a round's genetic refinement
 after that many generations in a row without a fitter candidate. Replayed on 297 recorded
 rounds of the heaviest file, the best candidate improved after the first generation in under
@@ -232,6 +247,7 @@ import numpy as np
 
 from ._arrivals import DEFAULT_MIN_SPAN, ArrivalRate
 from ._plan import WeightedGeneticSearch
+from ._profiles import ApplicationProfiles
 from .policy_base import Allocation, JobInfo, NodeInfo
 from .speedup import ExploringSpeedup, LinearSpeedup, PowerSpeedup, RampSpeedup
 
@@ -303,6 +319,7 @@ class WaterfillPolicy:
         sparse_theta: float | None = 48 * 3600.0,
         sparse_rate: float = 0.21,
         rate_window: float = 24 * 3600.0,
+        share_profiles: bool = True,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
@@ -390,6 +407,8 @@ class WaterfillPolicy:
         self.future_gamma = future_gamma
         self.grow_payback = grow_payback
         self.payback_remaining = payback_remaining
+        self.share_profiles = share_profiles
+        self._profiles = ApplicationProfiles() if share_profiles else None
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -438,7 +457,8 @@ class WaterfillPolicy:
     def state_dict(self) -> dict:
         """The genetic searches' warm-start populations and generator states (none if local):
         one run's state dict's keys, or ``"runs": [...]`` with ``genetic_runs > 1``; and
-        ``"arrivals"``, the jobs seen for the arrival rate (with ``sparse_theta``)."""
+        ``"arrivals"``, the jobs seen for the arrival rate (with ``sparse_theta``); and
+        ``"profiles"``, the applications' shared throughput fits (with ``share_profiles``)."""
         out: dict = {}
         if len(self._runs) == 1:
             out.update(self._runs[0].state_dict())
@@ -446,6 +466,8 @@ class WaterfillPolicy:
             out["runs"] = [g.state_dict() for g in self._runs]
         if self.sparse_theta is not None:
             out["arrivals"] = self._arrivals.state_dict()
+        if self._profiles is not None:
+            out["profiles"] = self._profiles.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -453,6 +475,9 @@ class WaterfillPolicy:
         arrivals = state.pop("arrivals", None)
         if arrivals is not None:
             self._arrivals.load_state_dict(arrivals)
+        profiles = state.pop("profiles", None)
+        if profiles is not None and self._profiles is not None:
+            self._profiles.load_state_dict(profiles)
         if not self._runs or not state:
             return
         runs = state["runs"] if "runs" in state else [state]
@@ -480,8 +505,11 @@ class WaterfillPolicy:
     def replica_bound(self, job: JobInfo) -> int:
         """The most replicas this policy gives ``job`` now: up to ``first_replicas`` for a job
         never run and unmodelled, else up to ``explore_growth`` times the largest size it has
-        run on; within its ``replica_limit``, and never below the allocator's
-        ``max_replicas`` (see the module docstring)."""
+        run on (with ``share_profiles``, the most any job of its application has run on);
+        within its ``replica_limit``, and never below the allocator's ``max_replicas`` (see the
+        module docstring)."""
+        if self._profiles is not None:
+            job = self._profiles.bound_view(job)
         limit = job.replica_limit
         if limit is None or job.max_replicas >= limit:
             return job.max_replicas
@@ -641,6 +669,9 @@ class WaterfillPolicy:
         total = sum(int(n.gpus) for n in nodes.values())
         if not jobs or total == 0:
             return {}
+        if self._profiles is not None:  # throughput fits shared within applications
+            self._profiles.observe(jobs)
+            jobs = {k: self._profiles.share(job) for k, job in jobs.items()}
         self.theta_now = self.current_theta(jobs, total, time)
         grow = self._grow_costs(jobs, base_allocations)
         jobs = self._explore(self._widen(jobs))

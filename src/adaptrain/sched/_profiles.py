@@ -1,0 +1,185 @@
+"""Throughput fits shared between the jobs of one application.
+
+A job's goodput model (Pollux, Qiao et al., OSDI'21, Sec. 3) has two parts: throughput
+parameters fitted to the step times the job has measured on the sizes it has run on, and its
+gradient statistics. The throughput part is a property of the model and the hardware, so jobs
+of one application (:attr:`~adaptrain.sched.policy_base.JobInfo.application`: the same model
+on the same cluster) could share it. Pollux does not: each job learns its own curve from one
+GPU up, growing at most twofold a round (AdaptDL's exploration rule), a restart per step.
+
+:class:`ApplicationProfiles` keeps, per application, the throughput parameters of the job that
+has run on the most replicas (ties: the latest seen), and gives a job that has run on fewer:
+
+- its speedup from those parameters with the job's own gradient statistics (a job that has
+  never run: the statistics of the application's earliest epoch seen);
+- that job's largest size as the one it "has run on", so that the policy's exploration cap
+  starts there rather than at the job's own;
+- a remaining-work estimate at the shared one-GPU goodput: its own scaled, or for a job that
+  has never run the largest work seen left in a job of the application (its whole run).
+
+A job of an application seen for the first time, or one that has run on as many replicas as
+any, is left as it is. Pure: no I/O, no environment; state in :meth:`state_dict` is numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .policy_base import JobInfo
+from .speedup import SpeedupFunction
+
+__all__ = ["ApplicationProfiles"]
+
+_NUMBERS = ("r0", "work", "epoch0", "init_batch_size")
+
+
+class ApplicationProfiles:
+    """Per-application throughput fits, shared with every job of the application (module
+    docstring). ``cache_size`` bounds the speedup functions kept (one per application,
+    throughput fit and gradient statistics)."""
+
+    def __init__(self, cache_size: int = 256) -> None:
+        if cache_size < 1:
+            raise ValueError(f"cache_size={cache_size} must be >= 1")
+        self.cache_size = int(cache_size)
+        self._apps: dict[str, dict[str, Any]] = {}
+        self._fns: collections.OrderedDict = collections.OrderedDict()
+
+    def observe(self, jobs: Mapping[str, JobInfo]) -> None:
+        """Note each modelled job's throughput fit, size, remaining work and gradient
+        statistics under its application."""
+        for job in jobs.values():
+            fn, app = job.speedup_fn, job.application
+            if app is None or not isinstance(fn, SpeedupFunction):
+                continue
+            rec = self._apps.setdefault(app, {"r0": 0, "work": 0.0, "grad0": None, "epoch0": 0})
+            g = fn.goodput_fn
+            if job.max_profiled_replicas >= rec["r0"]:
+                rec["r0"] = int(job.max_profiled_replicas)
+                rec["perf"] = tuple(float(v) for v in g.perf_params)
+                rec["init_batch_size"] = float(g.init_batch_size)
+                rec["limits"] = fn.limits()
+            if job.remaining_work is not None:  # progress left x init batch size
+                rec["work"] = max(rec["work"], job.remaining_work * fn.base_goodput)
+            epoch = 1 if job.epoch is None else int(job.epoch)
+            if rec["grad0"] is None or epoch < rec["epoch0"]:
+                rec["grad0"] = tuple(float(v) for v in g.grad_params)
+                rec["epoch0"] = epoch
+
+    def bound_view(self, job: JobInfo) -> JobInfo:
+        """``job`` with its application's largest size and the exploration cap from it, its
+        speedup untouched (all :meth:`~adaptrain.sched.WaterfillPolicy.replica_bound` reads)."""
+        rec = self._record(job)
+        if rec is None:
+            return job
+        return dataclasses.replace(
+            job,
+            max_profiled_replicas=rec["r0"],
+            max_replicas=max(job.max_replicas, min(2 * rec["r0"], job.replica_limit)),
+        )
+
+    def share(self, job: JobInfo) -> JobInfo:
+        """``job`` as its application's profile sees it (module docstring); unchanged if the
+        application has no larger profile."""
+        rec = self._record(job)
+        if rec is None:
+            return job
+        own = job.speedup_fn
+        if isinstance(own, SpeedupFunction):
+            grad = tuple(float(v) for v in own.goodput_fn.grad_params)
+        elif rec["grad0"] is not None:
+            grad = rec["grad0"]
+        else:
+            return job
+        fn = self._speedup(job.application, rec, grad)
+        rem = job.remaining_work
+        if rem is None:
+            rem = rec["work"] / fn.base_goodput if rec["work"] > 0 else None
+        elif isinstance(own, SpeedupFunction):  # the same progress at the shared rate
+            rem = rem * own.base_goodput / fn.base_goodput
+        view = self.bound_view(job)
+        return dataclasses.replace(view, speedup_fn=fn, remaining_work=rem)
+
+    def _record(self, job: JobInfo) -> dict[str, Any] | None:
+        rec = self._apps.get(job.application) if job.application is not None else None
+        if rec is None or rec["r0"] <= job.max_profiled_replicas or job.replica_limit is None:
+            return None
+        return rec
+
+    def _speedup(self, app: str, rec: dict[str, Any], grad: tuple) -> SpeedupFunction:
+        from adaptrain.core.goodput import GoodputFunction
+
+        key = (app, rec["perf"], grad, rec["init_batch_size"])
+        fn = self._fns.get(key)
+        if fn is None:
+            goodput = GoodputFunction(rec["perf"], grad, rec["init_batch_size"])
+            fn = SpeedupFunction(goodput, **rec["limits"])
+            self._fns[key] = fn
+            if len(self._fns) > self.cache_size:
+                self._fns.popitem(last=False)
+        else:
+            self._fns.move_to_end(key)
+        return fn
+
+    def state_dict(self) -> dict:
+        """Per application: its largest size, throughput fit, batch limits, work and earliest
+        gradient statistics, as numbers (``nan`` for a limit that is ``None``)."""
+
+        def num(v: Any) -> float:
+            return math.nan if v is None else float(v)
+
+        out = {}
+        for app, rec in self._apps.items():
+            if "perf" not in rec:
+                continue
+            lim = rec["limits"]
+            lo, hi = lim["atomic_bsz_range"] or (None, None)
+            out[app] = {
+                **{k: float(rec[k]) for k in _NUMBERS},
+                "perf": list(rec["perf"]),
+                "grad0": [] if rec["grad0"] is None else list(rec["grad0"]),
+                "limits": [
+                    num(lim["max_batch_size"]),
+                    num(lo),
+                    num(hi),
+                    float(bool(lim["accumulation"])),
+                    float(lim["max_nodes"]),
+                    float(lim["max_replicas"]),
+                ],
+            }
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        def opt(v: float, kind: type) -> Any:
+            return None if math.isnan(v) else kind(v)
+
+        apps = {}
+        for app, st in state.items():
+            mbs, lo, hi, acc, nodes, reps = (float(v) for v in st["limits"])
+            if len(st["perf"]) != 7 or len(st["grad0"]) not in (0, 2):
+                raise ValueError(
+                    f"profile of {app!r} needs 7 throughput parameters and 0 or 2 gradient "
+                    f"statistics, got {len(st['perf'])} and {len(st['grad0'])}"
+                )
+            rng = None if math.isnan(lo) and math.isnan(hi) else (opt(lo, int), opt(hi, int))
+            apps[app] = {
+                "r0": int(st["r0"]),
+                "work": float(st["work"]),
+                "epoch0": int(st["epoch0"]),
+                "init_batch_size": float(st["init_batch_size"]),
+                "perf": tuple(float(v) for v in st["perf"]),
+                "grad0": tuple(float(v) for v in st["grad0"]) or None,
+                "limits": {
+                    "max_batch_size": opt(mbs, float),
+                    "atomic_bsz_range": rng,
+                    "accumulation": bool(acc),
+                    "max_nodes": int(nodes),
+                    "max_replicas": int(reps),
+                },
+            }
+        self._apps = apps
+        self._fns.clear()

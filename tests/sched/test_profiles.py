@@ -1,0 +1,171 @@
+"""Throughput fits shared between the jobs of one application (``ApplicationProfiles`` and
+``WaterfillPolicy(share_profiles=True)``)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from adaptrain.core.goodput import GoodputFunction
+from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
+from adaptrain.sched._profiles import ApplicationProfiles
+from adaptrain.sched.speedup import SpeedupFunction
+
+# two throughput fits of one application: the first scales well (cheap synchronisation), the
+# second, fitted on few GPUs, predicts costly multi-node synchronisation
+GOOD = (0.02, 0.001, 0.05, 0.002, 0.01, 0.0005, 1.5)
+POOR = (0.02, 0.001, 0.5, 0.2, 0.01, 0.0005, 1.5)
+LIMITS = {"max_batch_size": 4096, "atomic_bsz_range": (16, 256), "accumulation": True}
+
+
+def _fn(perf, grad=(1.0, 4.0), nodes=32, reps=32) -> SpeedupFunction:
+    return SpeedupFunction(
+        GoodputFunction(perf, grad, 64), max_nodes=nodes, max_replicas=reps, **LIMITS
+    )
+
+
+def _job(perf, r0, *, app="yolo", grad=(1.0, 4.0), work=1e4, epoch=3, limit=32, **kw):
+    fn = LinearSpeedup() if perf is None else _fn(perf, grad)
+    return JobInfo(
+        0.0,
+        max_replicas=min(max(2 * r0, 1), limit),
+        speedup_fn=fn,
+        remaining_work=None if perf is None else work,
+        max_profiled_replicas=r0,
+        replica_limit=limit,
+        application=app,
+        epoch=None if perf is None else epoch,
+        **kw,
+    )
+
+
+def test_a_job_gets_the_fit_of_its_application_s_largest_job_with_its_own_statistics():
+    big = _job(GOOD, 16, grad=(1.0, 2.0), work=5e4, epoch=30)
+    small = _job(POOR, 2, grad=(1.0, 9.0), work=2e4, epoch=1)
+    prof = ApplicationProfiles()
+    prof.observe({"big": big, "small": small})
+    shared = prof.share(small)
+    g = shared.speedup_fn.goodput_fn
+    assert tuple(g.perf_params) == GOOD
+    assert tuple(g.grad_params) == (1.0, 9.0)  # its own gradient statistics
+    assert shared.max_profiled_replicas == 16 and shared.max_replicas == 32
+    # the same progress left, at the shared fit's one-GPU goodput
+    own = small.speedup_fn.base_goodput
+    assert shared.remaining_work == pytest.approx(2e4 * own / shared.speedup_fn.base_goodput)
+    # what the policy sees: the shared fit scales further than the job's own
+    assert shared.speedup_fn(4, 16) > small.speedup_fn(4, 16)
+    # the largest job, another application's and an unlabelled one are left as they are
+    assert prof.share(big) is big
+    other = _job(POOR, 2, app="bert")
+    assert prof.share(other) is other
+    unlabelled = _job(POOR, 2, app=None)
+    assert prof.share(unlabelled) is unlabelled
+
+
+def test_a_job_never_run_gets_the_earliest_statistics_and_the_whole_work():
+    early = _job(GOOD, 8, grad=(1.0, 0.5), work=3e4, epoch=0)
+    late = _job(POOR, 4, grad=(1.0, 8.0), work=6e4, epoch=20)
+    prof = ApplicationProfiles()
+    prof.observe({"late": late, "early": early})
+    new = _job(None, 0)
+    shared = prof.share(new)
+    g = shared.speedup_fn.goodput_fn
+    assert tuple(g.perf_params) == GOOD and tuple(g.grad_params) == (1.0, 0.5)
+    # the most work seen left in a job of the application, as progress x batch size
+    most = max(3e4 * early.speedup_fn.base_goodput, 6e4 * late.speedup_fn.base_goodput)
+    assert shared.remaining_work == pytest.approx(most / shared.speedup_fn.base_goodput)
+    assert shared.max_profiled_replicas == 8 and shared.max_replicas == 16
+    # the bound alone: no speedup built
+    view = prof.bound_view(new)
+    assert view.speedup_fn is new.speedup_fn and view.max_replicas == 16
+
+
+def test_profiles_state_round_trips_and_replays():
+    prof = ApplicationProfiles()
+    prof.observe({"a": _job(GOOD, 16, epoch=0), "b": _job(POOR, 2, app="bert", epoch=5)})
+    state = prof.state_dict()
+    for rec in state.values():  # numbers only
+        for v in rec.values():
+            assert isinstance(v, float) or all(isinstance(x, float) for x in v)
+    other = ApplicationProfiles()
+    other.load_state_dict(state)
+    assert other.state_dict() == state
+    r = np.arange(1, 33)
+    n = -(-r // 4)
+    for job in (_job(POOR, 2), _job(None, 0)):
+        x, y = prof.share(job), other.share(job)
+        np.testing.assert_array_equal(x.speedup_fn(n, r), y.speedup_fn(n, r))
+        assert x.remaining_work == y.remaining_work
+        assert x.max_replicas == y.max_replicas
+    with pytest.raises(ValueError, match="7 throughput parameters"):
+        other.load_state_dict({"yolo": {**state["yolo"], "perf": [1.0]}})
+
+
+def test_waterfill_widens_the_bound_from_the_application_and_round_trips_its_state():
+    policy = WaterfillPolicy(gpus_per_node=4, seed=0)
+    jobs = {"big": _job(GOOD, 16, age=3600.0), "small": _job(POOR, 2, age=600.0)}
+    nodes = {i: NodeInfo(4) for i in range(8)}
+    assert policy.replica_bound(jobs["small"]) == 8  # four times its own size, none observed
+    alloc = policy.optimize(jobs, nodes, {}, 0.0)
+    assert policy.replica_bound(jobs["small"]) == 32  # four times the application's largest
+    check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, policy=policy)
+    off = WaterfillPolicy(gpus_per_node=4, seed=0, share_profiles=False)
+    off.optimize(jobs, nodes, {}, 0.0)
+    assert off.replica_bound(jobs["small"]) == 8 and "profiles" not in off.state_dict()
+    # save -> load -> replay: the same allocations
+    twin = WaterfillPolicy(gpus_per_node=4, seed=0)
+    twin.load_state_dict(policy.state_dict())
+    a1 = a2 = alloc
+    for t in (60.0, 120.0):
+        new = {**jobs, f"n{t:g}": _job(None, 0)}
+        a1 = policy.optimize(new, nodes, a1, t)
+        a2 = twin.optimize(new, nodes, a2, t)
+        assert a1 == a2
+
+
+@st.composite
+def labelled_jobs(draw):
+    num_nodes, gpus = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    nodes = {i: NodeInfo(gpus) for i in range(num_nodes)}
+    jobs = {}
+    for j in range(draw(st.integers(1, 7))):
+        limit = draw(st.integers(1, 16))
+        r0 = draw(st.integers(0, limit))
+        perf = None if r0 == 0 else draw(st.sampled_from([GOOD, POOR]))
+        jobs[f"j{j}"] = _job(
+            perf,
+            r0,
+            app=draw(st.sampled_from(["a", "b", None])),
+            limit=limit,
+            min_replicas=draw(st.integers(0, 1)),
+            num_restarts=draw(st.integers(0, 2)),
+            age=draw(st.floats(0, 1e4)),
+        )
+    base = {}
+    free = collections.Counter({n: gpus for n in nodes})
+    for key, job in jobs.items():  # one node each, where it fits
+        want = draw(st.integers(0, job.max_replicas))
+        node = next((n for n in nodes if free[n] >= want), None)
+        if want and node is not None and want >= job.min_replicas:
+            base[key] = [node] * want
+            free[node] -= want
+    return jobs, nodes, base
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(labelled_jobs())
+def test_waterfill_with_shared_profiles_respects_constraints(case):
+    """Capacity, min replicas, interference avoidance and the policy's bound (widened by the
+    application's largest size, never past a job's replica_limit), round after round."""
+    jobs, nodes, base = case
+    policy = WaterfillPolicy(gpus_per_node=max(n.gpus for n in nodes.values()), seed=0)
+    for t in (0.0, 60.0):
+        alloc = {k: v for k, v in policy.optimize(jobs, nodes, base, t).items() if v}
+        check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
+        for k, v in alloc.items():
+            assert len(v) <= jobs[k].replica_limit
+        base = alloc
