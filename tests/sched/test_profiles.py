@@ -64,6 +64,16 @@ def test_a_job_gets_the_fit_of_its_application_s_largest_job_with_its_own_statis
     assert prof.share(other) is other
     unlabelled = _job(POOR, 2, app=None)
     assert prof.share(unlabelled) is unlabelled
+    # a speedup of the caller's own making is not replaced
+    custom = JobInfo(
+        0.0,
+        max_replicas=4,
+        speedup_fn=lambda n, r: r,
+        max_profiled_replicas=2,
+        replica_limit=32,
+        application="yolo",
+    )
+    assert prof.share(custom) is custom
 
 
 def test_a_job_never_run_gets_the_earliest_statistics_and_the_whole_work():

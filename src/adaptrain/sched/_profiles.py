@@ -17,8 +17,9 @@ has run on the most replicas (ties: the latest seen), and gives a job that has r
 - a remaining-work estimate at the shared one-GPU goodput: its own scaled, or for a job that
   has never run the largest work seen left in a job of the application (its whole run).
 
-A job of an application seen for the first time, or one that has run on as many replicas as
-any, is left as it is. Pure: no I/O, no environment; state in :meth:`state_dict` is numbers.
+A job of an application seen for the first time, one that has run on as many replicas as
+any, or one whose speedup is neither a goodput model's nor the unmeasured guess, is left as it
+is. Pure: no I/O, no environment; state in :meth:`state_dict` is numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .policy_base import JobInfo
-from .speedup import SpeedupFunction
+from .speedup import LinearSpeedup, SpeedupFunction
 
 __all__ = ["ApplicationProfiles"]
 
@@ -91,9 +92,13 @@ class ApplicationProfiles:
         own = job.speedup_fn
         if isinstance(own, SpeedupFunction):
             grad = tuple(float(v) for v in own.goodput_fn.grad_params)
-        elif rec["grad0"] is not None:
+        elif (
+            rec["grad0"] is not None
+            and job.max_profiled_replicas == 0
+            and (own is None or isinstance(own, LinearSpeedup))
+        ):  # never run, no model: the application's earliest statistics
             grad = rec["grad0"]
-        else:
+        else:  # a speedup of the caller's own making: kept
             return job
         fn = self._speedup(job.application, rec, grad)
         rem = job.remaining_work
