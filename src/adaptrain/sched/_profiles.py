@@ -30,6 +30,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from adaptrain.core.goodput import GoodputFunction
+
 from .policy_base import JobInfo
 from .speedup import LinearSpeedup, SpeedupFunction
 
@@ -75,13 +77,7 @@ class ApplicationProfiles:
         """``job`` with its application's largest size and the exploration cap from it, its
         speedup untouched (all :meth:`~adaptrain.sched.WaterfillPolicy.replica_bound` reads)."""
         rec = self._record(job)
-        if rec is None:
-            return job
-        return dataclasses.replace(
-            job,
-            max_profiled_replicas=rec["r0"],
-            max_replicas=max(job.max_replicas, min(2 * rec["r0"], job.replica_limit)),
-        )
+        return job if rec is None else self._bounded(job, rec)
 
     def share(self, job: JobInfo) -> JobInfo:
         """``job`` as its application's profile sees it (module docstring); unchanged if the
@@ -106,8 +102,16 @@ class ApplicationProfiles:
             rem = rec["work"] / fn.base_goodput if rec["work"] > 0 else None
         elif isinstance(own, SpeedupFunction):  # the same progress at the shared rate
             rem = rem * own.base_goodput / fn.base_goodput
-        view = self.bound_view(job)
-        return dataclasses.replace(view, speedup_fn=fn, remaining_work=rem)
+        return dataclasses.replace(self._bounded(job, rec), speedup_fn=fn, remaining_work=rem)
+
+    @staticmethod
+    def _bounded(job: JobInfo, rec: dict[str, Any]) -> JobInfo:
+        """``job`` with the application's largest size and AdaptDL's cap from it."""
+        return dataclasses.replace(
+            job,
+            max_profiled_replicas=rec["r0"],
+            max_replicas=max(job.max_replicas, min(2 * rec["r0"], job.replica_limit)),
+        )
 
     def _record(self, job: JobInfo) -> dict[str, Any] | None:
         rec = self._apps.get(job.application) if job.application is not None else None
@@ -116,8 +120,6 @@ class ApplicationProfiles:
         return rec
 
     def _speedup(self, app: str, rec: dict[str, Any], grad: tuple) -> SpeedupFunction:
-        from adaptrain.core.goodput import GoodputFunction
-
         key = (app, rec["perf"], grad, rec["init_batch_size"])
         fn = self._fns.get(key)
         if fn is None:
@@ -139,8 +141,6 @@ class ApplicationProfiles:
 
         out = {}
         for app, rec in self._apps.items():
-            if "perf" not in rec:
-                continue
             lim = rec["limits"]
             lo, hi = lim["atomic_bsz_range"] or (None, None)
             out[app] = {

@@ -602,7 +602,6 @@ class Simulator:
             age=now - job.submission_time,
             application=job.app.name,
             epoch=job.epoch,
-            extra={"application": job.app.name, "epoch": job.epoch},
         )
 
     @staticmethod
