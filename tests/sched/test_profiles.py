@@ -76,19 +76,25 @@ def test_a_job_gets_the_fit_of_its_application_s_largest_job_with_its_own_statis
     assert prof.share(custom) is custom
 
 
-def test_a_job_never_run_gets_the_earliest_statistics_and_the_whole_work():
+def test_a_job_never_run_gets_the_earliest_statistics_and_the_work_only_with_the_prior():
     early = _job(GOOD, 8, grad=(1.0, 0.5), work=3e4, epoch=0)
     late = _job(POOR, 4, grad=(1.0, 8.0), work=6e4, epoch=20)
-    prof = ApplicationProfiles()
-    prof.observe({"late": late, "early": early})
+    prof = ApplicationProfiles(work_prior=False)
+    prior = ApplicationProfiles()
+    for p in (prof, prior):
+        p.observe({"late": late, "early": early})
     new = _job(None, 0)
-    shared = prof.share(new)
-    g = shared.speedup_fn.goodput_fn
-    assert tuple(g.perf_params) == GOOD and tuple(g.grad_params) == (1.0, 0.5)
-    # the most work seen left in a job of the application, as progress x batch size
+    shared, with_prior = prof.share(new), prior.share(new)
+    for s in (shared, with_prior):
+        g = s.speedup_fn.goodput_fn
+        assert tuple(g.perf_params) == GOOD and tuple(g.grad_params) == (1.0, 0.5)
+        assert s.max_profiled_replicas == 8 and s.max_replicas == 16
+    # without the prior: no estimate of its own, none given (it weighs as any new job) ...
+    assert shared.remaining_work is None
+    # ... with it (the default), the most work seen left in a job of the application, as
+    # progress x batch size
     most = max(3e4 * early.speedup_fn.base_goodput, 6e4 * late.speedup_fn.base_goodput)
-    assert shared.remaining_work == pytest.approx(most / shared.speedup_fn.base_goodput)
-    assert shared.max_profiled_replicas == 8 and shared.max_replicas == 16
+    assert with_prior.remaining_work == pytest.approx(most / with_prior.speedup_fn.base_goodput)
     # the bound alone: no speedup built
     view = prof.bound_view(new)
     assert view.speedup_fn is new.speedup_fn and view.max_replicas == 16
@@ -126,6 +132,10 @@ def test_waterfill_widens_the_bound_from_the_application_and_round_trips_its_sta
     off = WaterfillPolicy(gpus_per_node=4, seed=0, share_profiles=False)
     off.optimize(jobs, nodes, {}, 0.0)
     assert off.replica_bound(jobs["small"]) == 8 and "profiles" not in off.state_dict()
+    # the work prior for new jobs: on by default, off with share_work=False
+    assert (
+        policy._profiles.work_prior and not WaterfillPolicy(share_work=False)._profiles.work_prior
+    )
     # save -> load -> replay: the same allocations
     twin = WaterfillPolicy(gpus_per_node=4, seed=0)
     twin.load_state_dict(policy.state_dict())

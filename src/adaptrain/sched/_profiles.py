@@ -14,8 +14,9 @@ has run on the most replicas (ties: the latest seen), and gives a job that has r
   never run: the statistics of the application's earliest epoch seen);
 - that job's largest size as the one it "has run on", so that the policy's exploration cap
   starts there rather than at the job's own;
-- a remaining-work estimate at the shared one-GPU goodput: its own scaled, or for a job that
-  has never run the largest work seen left in a job of the application (its whole run).
+- its remaining-work estimate at the shared one-GPU goodput (its own, scaled). A job that has
+  never run has no estimate; ``work_prior`` (the default) gives it the largest work seen left
+  in a job of the application (its whole run), else it keeps none.
 
 A job of an application seen for the first time, one that has run on as many replicas as
 any, or one whose speedup is neither a goodput model's nor the unmeasured guess, is left as it
@@ -43,12 +44,15 @@ _NUMBERS = ("r0", "work", "epoch0", "init_batch_size")
 class ApplicationProfiles:
     """Per-application throughput fits, shared with every job of the application (module
     docstring). ``cache_size`` bounds the speedup functions kept (one per application,
-    throughput fit and gradient statistics)."""
+    throughput fit and gradient statistics); ``work_prior`` gives a job that has never run the
+    largest work seen left in a job of its application as its remaining-work estimate (``False``:
+    the job keeps none)."""
 
-    def __init__(self, cache_size: int = 256) -> None:
+    def __init__(self, cache_size: int = 256, work_prior: bool = True) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size={cache_size} must be >= 1")
         self.cache_size = int(cache_size)
+        self.work_prior = bool(work_prior)
         self._apps: dict[str, dict[str, Any]] = {}
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
@@ -99,7 +103,7 @@ class ApplicationProfiles:
         fn = self._speedup(job.application, rec, grad)
         rem = job.remaining_work
         if rem is None:
-            rem = rec["work"] / fn.base_goodput if rec["work"] > 0 else None
+            rem = rec["work"] / fn.base_goodput if self.work_prior and rec["work"] > 0 else None
         elif isinstance(own, SpeedupFunction):  # the same progress at the shared rate
             rem = rem * own.base_goodput / fn.base_goodput
         return dataclasses.replace(self._bounded(job, rec), speedup_fn=fn, remaining_work=rem)
