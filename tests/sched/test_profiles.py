@@ -10,7 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptrain.core.goodput import GoodputFunction
+from adaptrain.core.goodput import (
+    GoodputFunction,
+    predict_accum_time,
+    predict_log_optim_time,
+    predict_network_time,
+)
 from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
 from adaptrain.sched._profiles import ApplicationProfiles
 from adaptrain.sched.speedup import SpeedupFunction
@@ -100,16 +105,23 @@ def test_a_job_never_run_gets_the_earliest_statistics_and_the_work_only_with_the
     assert view.speedup_fn is new.speedup_fn and view.max_replicas == 16
 
 
+def _numbers(v) -> bool:
+    if isinstance(v, dict):
+        return all(_numbers(x) for x in v.values())
+    return isinstance(v, float) or all(isinstance(x, float) for x in v)
+
+
 def test_profiles_state_round_trips_and_replays():
     prof = ApplicationProfiles()
     prof.observe({"a": _job(GOOD, 16, epoch=0), "b": _job(POOR, 2, app="bert", epoch=5)})
     state = prof.state_dict()
-    for rec in state.values():  # numbers only
-        for v in rec.values():
-            assert isinstance(v, float) or all(isinstance(x, float) for x in v)
+    assert _numbers(state)
     other = ApplicationProfiles()
     other.load_state_dict(state)
     assert other.state_dict() == state
+    old = ApplicationProfiles()  # the layout before pooling: the applications alone
+    old.load_state_dict(state["apps"])
+    assert old.state_dict() == state
     r = np.arange(1, 33)
     n = -(-r // 4)
     for job in (_job(POOR, 2), _job(None, 0)):
@@ -118,7 +130,7 @@ def test_profiles_state_round_trips_and_replays():
         assert x.remaining_work == y.remaining_work
         assert x.max_replicas == y.max_replicas
     with pytest.raises(ValueError, match="7 throughput parameters"):
-        other.load_state_dict({"yolo": {**state["yolo"], "perf": [1.0]}})
+        other.load_state_dict({"yolo": {**state["apps"]["yolo"], "perf": [1.0]}})
 
 
 def test_waterfill_widens_the_bound_from_the_application_and_round_trips_its_state():
@@ -145,6 +157,98 @@ def test_waterfill_widens_the_bound_from_the_application_and_round_trips_its_sta
         a1 = policy.optimize(new, nodes, a1, t)
         a2 = twin.optimize(new, nodes, a2, t)
         assert a1 == a2
+
+
+# the application's true throughput: a per-replica network cost on multi-node sizes
+TRUE = (0.0174, 0.0007, 0.122, 0.0026, 0.033, 0.0009, 2.07)
+# a fit to the same step times on one node and on 64 GPUs over 16 nodes alone, degenerate: the
+# whole network cost fixed (as a cifar10 fit in benchmarks/results/sched.md, session 62)
+DEGEN = (*TRUE[:2], TRUE[2] + 62 * TRUE[3], 1e-8, *TRUE[4:])
+
+
+def _step_time(perf, nodes, replicas, bsz=64.0):
+    accum = predict_accum_time(perf, bsz)
+    return float(
+        np.exp(predict_log_optim_time(perf, accum, predict_network_time(perf, nodes, replicas)))
+    )
+
+
+def _observe_runs(prof, jobs, runs):
+    """Observe ``jobs`` once per allocation in ``runs`` (job -> node per replica)."""
+    for alloc in runs:
+        prof.observe(jobs, alloc)
+
+
+def test_pooled_fit_reads_each_job_at_the_configurations_it_ran_on():
+    assert _step_time(DEGEN, 16, 64) == pytest.approx(_step_time(TRUE, 16, 64), rel=1e-5)
+    assert _step_time(DEGEN, 4, 16) > 1.3 * _step_time(TRUE, 4, 16)
+    jobs = {"mid": _job(TRUE, 16), "big": _job(DEGEN, 64), "new": _job(TRUE, 2)}
+    runs = [
+        {"mid": [0], "big": [1]},
+        {"mid": [0] * 4, "big": [1] * 4},
+        {"mid": [n for n in range(4) for _ in range(4)], "big": [1] * 4},
+        {
+            "mid": [n for n in range(4) for _ in range(4)],
+            "big": [n for n in range(16) for _ in range(4)],
+        },
+    ]
+    largest, pooled = ApplicationProfiles(), ApplicationProfiles(pool=2)
+    for prof in (largest, pooled):
+        _observe_runs(prof, jobs, runs)
+    # the default shares the fit of the job on the most replicas, degenerate at 16 GPUs
+    assert tuple(largest.share(jobs["new"]).speedup_fn.goodput_fn.perf_params) == DEGEN
+    # pooled: each fit read only where its job ran (the degenerate one on one node and at 64)
+    perf = tuple(pooled.share(jobs["new"]).speedup_fn.goodput_fn.perf_params)
+    for nodes, replicas in ((1, 1), (1, 4), (4, 16), (16, 64)):
+        assert _step_time(perf, nodes, replicas) == pytest.approx(
+            _step_time(TRUE, nodes, replicas), rel=0.05
+        )
+    state = pooled.state_dict()
+    assert _numbers(state) and set(state["apps"]["yolo"]["fits"]) == {"mid", "big"}
+    assert state["configs"]["big"] == [1.0, 1.0, 1.0, 4.0, 16.0, 64.0]
+    # a round on configurations already seen refits nothing
+    pooled.observe(jobs, runs[-1])
+    assert pooled.state_dict() == state
+    # pool=1: the job on the most replicas alone, read where it ran
+    one = ApplicationProfiles(pool=1)
+    _observe_runs(one, jobs, runs)
+    assert set(one.state_dict()["apps"]["yolo"]["fits"]) == {"big"}
+
+
+def test_pooled_profiles_round_trip_replay_and_errors():
+    jobs = {"mid": _job(TRUE, 16), "big": _job(DEGEN, 64), "new": _job(TRUE, 2)}
+    runs = [{"mid": [0], "big": [0, 0]}, {"mid": [0] * 4, "big": [0, 1, 2, 3] * 2}]
+    prof = ApplicationProfiles(pool=4)
+    _observe_runs(prof, jobs, runs)
+    twin = ApplicationProfiles(pool=4)
+    twin.load_state_dict(prof.state_dict())
+    assert twin.state_dict() == prof.state_dict()
+    # save -> load -> replay: the same refits from the same new configurations
+    more = {
+        "mid": [n for n in range(4) for _ in range(4)],
+        "big": [n for n in range(16) for _ in range(4)],
+    }
+    for p in (prof, twin):
+        p.observe(jobs, more)
+    assert twin.state_dict() == prof.state_dict()
+    r = np.arange(1, 33)
+    n = -(-r // 4)
+    np.testing.assert_array_equal(
+        prof.share(jobs["new"]).speedup_fn(n, r), twin.share(jobs["new"]).speedup_fn(n, r)
+    )
+    # a job gone and not pooled is forgotten
+    prof.observe({"mid": jobs["mid"], "big": jobs["big"], "other": _job(TRUE, 1)}, {"other": [0]})
+    assert "new" not in prof.state_dict()["configs"]
+    with pytest.raises(ValueError, match="pool=0"):
+        ApplicationProfiles(pool=0)
+    with pytest.raises(ValueError, match="pool=0"):
+        WaterfillPolicy(pool_fits=0)
+    assert WaterfillPolicy(pool_fits=3)._profiles.pool == 3
+    state = prof.state_dict()
+    with pytest.raises(ValueError, match="pairs"):
+        twin.load_state_dict({**state, "configs": {"big": [1.0, 2.0, 3.0]}})
+    with pytest.raises(ValueError, match="without configurations"):
+        twin.load_state_dict({**state, "configs": {}})
 
 
 @st.composite

@@ -238,7 +238,7 @@ def test_genetic_state_roundtrip_replays_identically():
     assert local.state_dict() == {}
     assert WaterfillPolicy(search="local").state_dict() == {
         "arrivals": {"keys": [], "times": []},
-        "profiles": {},
+        "profiles": {"apps": {}, "configs": {}},
     }
 
 

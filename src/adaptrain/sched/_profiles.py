@@ -8,7 +8,8 @@ on the same cluster) could share it. Pollux does not: each job learns its own cu
 GPU up, growing at most twofold a round (AdaptDL's exploration rule), a restart per step.
 
 :class:`ApplicationProfiles` keeps, per application, the throughput parameters of the job that
-has run on the most replicas (ties: the latest seen), and gives a job that has run on fewer:
+has run on the most replicas (ties: the latest seen), or with ``pool`` a fit pooled from several
+jobs' fits (below), and gives a job that has run on fewer:
 
 - its speedup from those parameters with the job's own gradient statistics (a job that has
   never run: the statistics of the application's earliest epoch seen);
@@ -21,6 +22,17 @@ has run on the most replicas (ties: the latest seen), and gives a job that has r
 A job of an application seen for the first time, one that has run on as many replicas as
 any, or one whose speedup is neither a goodput model's nor the unmeasured guess, is left as it
 is. Pure: no I/O, no environment; state in :meth:`state_dict` is numbers.
+
+One job's fit can be wrong where it has measured little. A job that jumps from one node to 63
+GPUs has a single multi-node measurement, which cannot separate the fixed and per-replica
+network costs. Its fit may then put one network cost on every multi-node size, and shared, it
+values every later job of the application low at 8-32 GPUs (a cifar10 fit in
+``benchmarks/results/sched.md``, session 62). With ``pool`` (K jobs) the shared parameters
+are refitted instead (:func:`~adaptrain.core.goodput.fit_perf_params`) to the fits of the K
+jobs of the application that have run on the most replicas, each read only at the
+configurations (nodes, replicas) it has run on. :meth:`observe` learns those from the
+allocations it is given: the policy's own placements. The pooled fit is redone whenever a pooled
+job runs on a multi-GPU configuration new to it.
 """
 
 from __future__ import annotations
@@ -28,10 +40,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from adaptrain.core.goodput import GoodputFunction
+import numpy as np
+
+from adaptrain.core.goodput import (
+    GoodputFunction,
+    fit_perf_params,
+    predict_accum_time,
+    predict_log_optim_time,
+    predict_network_time,
+)
 
 from .policy_base import JobInfo
 from .speedup import LinearSpeedup, SpeedupFunction
@@ -46,25 +66,44 @@ class ApplicationProfiles:
     docstring). ``cache_size`` bounds the speedup functions kept (one per application,
     throughput fit and gradient statistics); ``work_prior`` gives a job that has never run the
     largest work seen left in a job of its application as its remaining-work estimate (``False``:
-    the job keeps none)."""
+    the job keeps none); ``pool`` (a number of jobs, or ``None`` for the largest job's fit alone)
+    shares a fit to several jobs' fits at the configurations they ran on (module docstring)."""
 
-    def __init__(self, cache_size: int = 256, work_prior: bool = True) -> None:
+    def __init__(
+        self, cache_size: int = 256, work_prior: bool = True, pool: int | None = None
+    ) -> None:
         if cache_size < 1:
             raise ValueError(f"cache_size={cache_size} must be >= 1")
+        if pool is not None and pool < 1:
+            raise ValueError(f"pool={pool} must be >= 1 jobs, or None (the largest job's fit)")
         self.cache_size = int(cache_size)
         self.work_prior = bool(work_prior)
+        self.pool = pool
         self._apps: dict[str, dict[str, Any]] = {}
+        # (nodes, replicas) configurations each job has run on, from the allocations observed
+        self._configs: dict[str, set[tuple[int, int]]] = {}
         self._fns: collections.OrderedDict = collections.OrderedDict()
 
-    def observe(self, jobs: Mapping[str, JobInfo]) -> None:
+    def observe(
+        self,
+        jobs: Mapping[str, JobInfo],
+        allocations: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         """Note each modelled job's throughput fit, size, remaining work and gradient
-        statistics under its application."""
-        for job in jobs.values():
+        statistics under its application; with ``pool``, the configuration each job runs on
+        (``allocations``: its node per replica, as the policy placed it) and the fits to pool."""
+        stale = set()
+        for name, job in jobs.items():
             fn, app = job.speedup_fn, job.application
+            new = self.pool is not None and self._note(name, (allocations or {}).get(name))
             if app is None or not isinstance(fn, SpeedupFunction):
                 continue
             rec = self._apps.setdefault(app, {"r0": 0, "work": 0.0, "grad0": None, "epoch0": 0})
             g = fn.goodput_fn
+            if self.pool is not None and any(r >= 2 for _, r in self._configs.get(name, ())):
+                rec.setdefault("fits", {})[name] = tuple(float(v) for v in g.perf_params)
+                if new:
+                    stale.add(app)
             if job.max_profiled_replicas >= rec["r0"]:
                 rec["r0"] = int(job.max_profiled_replicas)
                 rec["perf"] = tuple(float(v) for v in g.perf_params)
@@ -76,6 +115,43 @@ class ApplicationProfiles:
             if rec["grad0"] is None or epoch < rec["epoch0"]:
                 rec["grad0"] = tuple(float(v) for v in g.grad_params)
                 rec["epoch0"] = epoch
+        for app in stale:
+            self._refit(self._apps[app])
+        if self.pool is not None:  # forget the configurations of jobs gone and not pooled
+            keep = set(jobs).union(*(rec.get("fits", {}) for rec in self._apps.values()))
+            self._configs = {k: v for k, v in self._configs.items() if k in keep}
+
+    def _note(self, name: str, nodes: Sequence[int] | None) -> bool:
+        """Record the configuration of ``nodes`` (a node per replica) for job ``name``; whether
+        it is a multi-GPU configuration new to the job."""
+        if not nodes:
+            return False
+        config = (len(set(nodes)), len(nodes))
+        seen = self._configs.setdefault(name, set())
+        if config in seen:
+            return False
+        seen.add(config)
+        return config[1] >= 2
+
+    def _refit(self, rec: dict[str, Any]) -> None:
+        """Refit the application's shared parameters to its ``pool`` largest jobs' fits, each
+        read at the configurations it has run on, at both ends of the atomic batch range."""
+        fits = sorted(rec["fits"].items(), key=lambda kv: -max(r for _, r in self._configs[kv[0]]))
+        rec["fits"] = dict(fits[: self.pool])
+        lo, hi = rec["limits"]["atomic_bsz_range"] or (None, None)
+        bsz = np.array([lo or 1.0, hi or max(2.0, 2.0 * rec["init_batch_size"])], dtype=float)
+        cols: list[list[np.ndarray]] = [[], [], [], [], []]
+        for name, perf in rec["fits"].items():
+            configs = sorted(self._configs[name])
+            n = np.repeat(np.array([c[0] for c in configs], dtype=float), len(bsz))
+            r = np.repeat(np.array([c[1] for c in configs], dtype=float), len(bsz))
+            b = np.tile(bsz, len(configs))
+            accum = predict_accum_time(perf, b)
+            optim = np.exp(predict_log_optim_time(perf, accum, predict_network_time(perf, n, r)))
+            for col, v in zip(cols, (n, r, b, accum, optim)):
+                col.append(v)
+        n, r, b, accum, optim = (np.concatenate(c) for c in cols)
+        rec["pooled"] = tuple(float(v) for v in fit_perf_params(n, r, b, accum, optim))
 
     def bound_view(self, job: JobInfo) -> JobInfo:
         """``job`` with its application's largest size and the exploration cap from it, its
@@ -124,10 +200,11 @@ class ApplicationProfiles:
         return rec
 
     def _speedup(self, app: str, rec: dict[str, Any], grad: tuple) -> SpeedupFunction:
-        key = (app, rec["perf"], grad, rec["init_batch_size"])
+        perf = rec.get("pooled") or rec["perf"]
+        key = (app, perf, grad, rec["init_batch_size"])
         fn = self._fns.get(key)
         if fn is None:
-            goodput = GoodputFunction(rec["perf"], grad, rec["init_batch_size"])
+            goodput = GoodputFunction(perf, grad, rec["init_batch_size"])
             fn = SpeedupFunction(goodput, **rec["limits"])
             self._fns[key] = fn
             if len(self._fns) > self.cache_size:
@@ -137,8 +214,10 @@ class ApplicationProfiles:
         return fn
 
     def state_dict(self) -> dict:
-        """Per application: its largest size, throughput fit, batch limits, work and earliest
-        gradient statistics, as numbers (``nan`` for a limit that is ``None``)."""
+        """``"apps"``: per application its largest size, throughput fit, batch limits, work and
+        earliest gradient statistics, as numbers (``nan`` for a limit that is ``None``), and with
+        ``pool`` its pooled fit and the pooled jobs' fits; ``"configs"``: per job the
+        configurations it has run on, ``[nodes, replicas, nodes, replicas, ...]``."""
 
         def num(v: Any) -> float:
             return math.nan if v is None else float(v)
@@ -159,13 +238,29 @@ class ApplicationProfiles:
                     float(lim["max_nodes"]),
                     float(lim["max_replicas"]),
                 ],
+                "pooled": list(rec.get("pooled", ())),
+                "fits": {k: list(perf) for k, perf in rec.get("fits", {}).items()},
             }
-        return out
+        configs = {
+            k: [float(x) for config in sorted(v) for x in config] for k, v in self._configs.items()
+        }
+        return {"apps": out, "configs": configs}
 
-    def load_state_dict(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (or, before pooling, its ``"apps"`` alone)."""
+
         def opt(v: float, kind: type) -> Any:
             return None if math.isnan(v) else kind(v)
 
+        if set(state) == {"apps", "configs"}:
+            state, flat = state["apps"], state["configs"]
+        else:  # written before session 62: the applications alone
+            flat = {}
+        configs = {}
+        for k, v in flat.items():
+            if len(v) % 2:
+                raise ValueError(f"configurations of {k!r} need (nodes, replicas) pairs, got {v}")
+            configs[k] = {(int(v[i]), int(v[i + 1])) for i in range(0, len(v), 2)}
         apps = {}
         for app, st in state.items():
             mbs, lo, hi, acc, nodes, reps = (float(v) for v in st["limits"])
@@ -175,6 +270,12 @@ class ApplicationProfiles:
                     f"statistics, got {len(st['perf'])} and {len(st['grad0'])}"
                 )
             rng = None if math.isnan(lo) and math.isnan(hi) else (opt(lo, int), opt(hi, int))
+            fits = {k: tuple(float(x) for x in p) for k, p in st.get("fits", {}).items()}
+            pooled = tuple(float(v) for v in st.get("pooled", ()))
+            if len(pooled) not in (0, 7) or any(len(p) != 7 for p in fits.values()):
+                raise ValueError(f"profile of {app!r}: a pooled fit needs 7 throughput parameters")
+            if set(fits) - set(configs):
+                raise ValueError(f"profile of {app!r}: pooled jobs without configurations")
             apps[app] = {
                 "r0": int(st["r0"]),
                 "work": float(st["work"]),
@@ -189,6 +290,9 @@ class ApplicationProfiles:
                     "max_nodes": int(nodes),
                     "max_replicas": int(reps),
                 },
+                **({"fits": fits} if fits else {}),
+                **({"pooled": pooled} if pooled else {}),
             }
         self._apps = apps
+        self._configs = configs
         self._fns.clear()
