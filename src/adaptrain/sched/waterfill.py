@@ -211,10 +211,12 @@ session 47).
 
 Shared profiles (``share_profiles``, default ``True``): jobs of one application
 (``JobInfo.application``: the same model on the same hardware) have the same throughput, so a
-job that has run on fewer replicas than another of its application is valued by that job's
-throughput fit (pooled from several jobs' fits, below) with its own gradient statistics, and its
-exploration cap starts from that job's largest size (:class:`~adaptrain.sched._profiles.ApplicationProfiles`); a job never run gets
-the application's earliest gradient statistics and (``share_work``, default ``True``) the most
+job that has run on fewer replicas than another of its application is valued by the
+application's throughput fit (that of its job on the most replicas, by default pooled with its
+other largest jobs' fits, below) with its own gradient statistics, and its exploration cap
+starts from the application's largest size
+(:class:`~adaptrain.sched._profiles.ApplicationProfiles`); a job never run gets the
+application's earliest gradient statistics and (``share_work``, default ``True``) the most
 work seen left in one of its jobs as its remaining work.
 Pollux does not use this label: each of its jobs learns its curve from one GPU up, at most
 doubling a round, a restart a step. On workload-3, ten seeds, the jobs restarted about 20% less
