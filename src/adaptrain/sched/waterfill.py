@@ -245,7 +245,7 @@ application's ``pool_fits`` jobs that have run on the most replicas, each read o
 (nodes, replicas) configurations the policy has placed it on
 (:class:`~adaptrain.sched._profiles.ApplicationProfiles`). Ten seeds on a host with AVX-512,
 avg JCT / stored Pollux: workload-3 at load 1.0 0.9136 -> 0.9021 (better under all ten seeds;
-pools of 8 and 32 jobs read about 0.908, so part of that may be the draw),
+over twenty seeds 0.9158 -> 0.9065; pools of 8 and 32 jobs read about 0.908),
 workload-1 at load 0.5 0.8874 -> 0.8826, workload-3 at load 0.5 0.9055 -> 0.9064, workload-6
 at load 0.5 0.9002 -> 0.9047; the 16 files over seeds 0-4: mean 0.8740 -> 0.8706, better on
 12. Read at powers of two up to each job's largest size instead (sizes a ramp of 4 -> 16 -> 64
