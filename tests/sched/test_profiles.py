@@ -10,12 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptrain.core.goodput import (
-    GoodputFunction,
-    predict_accum_time,
-    predict_log_optim_time,
-    predict_network_time,
-)
+from adaptrain.core.goodput import GoodputFunction, predict_step_times
 from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
 from adaptrain.sched._profiles import ApplicationProfiles
 from adaptrain.sched.speedup import SpeedupFunction
@@ -167,10 +162,7 @@ DEGEN = (*TRUE[:2], TRUE[2] + 62 * TRUE[3], 1e-8, *TRUE[4:])
 
 
 def _step_time(perf, nodes, replicas, bsz=64.0):
-    accum = predict_accum_time(perf, bsz)
-    return float(
-        np.exp(predict_log_optim_time(perf, accum, predict_network_time(perf, nodes, replicas)))
-    )
+    return float(predict_step_times(perf, nodes, replicas, bsz)[1])
 
 
 def _observe_runs(prof, jobs, runs):

@@ -31,6 +31,7 @@ from adaptrain.core.goodput import (
     predict_accum_time,
     predict_log_optim_time,
     predict_network_time,
+    predict_step_times,
 )
 from adaptrain.core.scaling import (
     adascale_factor,
@@ -64,6 +65,7 @@ __all__ = [
     "predict_accum_time",
     "predict_log_optim_time",
     "predict_network_time",
+    "predict_step_times",
     "adascale_factor",
     "legw_factor",
     "linear_factor",

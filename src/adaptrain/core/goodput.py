@@ -60,6 +60,7 @@ __all__ = [
     "predict_accum_time",
     "predict_network_time",
     "predict_log_optim_time",
+    "predict_step_times",
     "NUM_CANDIDATES",
 ]
 
@@ -130,6 +131,16 @@ def predict_log_optim_time(params: Any, accum_time: Any, network_time: Any) -> n
         log_a = np.log(accum_time)
         log_n = np.log(network_time)
     return np.logaddexp(gamma * log_a, gamma * log_n) / gamma
+
+
+def predict_step_times(
+    params: Any, num_nodes: Any, num_replicas: Any, atomic_bsz: Any
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(T_accum, T_optim)``: the time of an accumulation micro-step and of an optimizer step
+    (with the all-reduce) at each configuration, the two times :func:`fit_perf_params` fits."""
+    accum_time = predict_accum_time(params, atomic_bsz)
+    network_time = predict_network_time(params, num_nodes, num_replicas)
+    return accum_time, np.exp(predict_log_optim_time(params, accum_time, network_time))
 
 
 class GoodputFunction:
@@ -211,9 +222,9 @@ class GoodputFunction:
         self, num_nodes: Any, num_replicas: Any, atomic_bsz: Any, accum_steps: Any
     ) -> Any:
         """Samples per second: ``R·b·(s+1) / (s·T_accum + T_optim)``."""
-        accum_time = predict_accum_time(self._perf_params, atomic_bsz)
-        network_time = predict_network_time(self._perf_params, num_nodes, num_replicas)
-        optim_time = np.exp(predict_log_optim_time(self._perf_params, accum_time, network_time))
+        accum_time, optim_time = predict_step_times(
+            self._perf_params, num_nodes, num_replicas, atomic_bsz
+        )
         accum_steps = np.asarray(accum_steps)
         total_time = accum_steps * accum_time + optim_time
         batch_size = np.asarray(num_replicas) * atomic_bsz * (accum_steps + 1)

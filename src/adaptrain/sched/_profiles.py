@@ -45,13 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from adaptrain.core.goodput import (
-    GoodputFunction,
-    fit_perf_params,
-    predict_accum_time,
-    predict_log_optim_time,
-    predict_network_time,
-)
+from adaptrain.core.goodput import GoodputFunction, fit_perf_params, predict_step_times
 
 from .policy_base import JobInfo
 from .speedup import LinearSpeedup, SpeedupFunction
@@ -92,10 +86,10 @@ class ApplicationProfiles:
         """Note each modelled job's throughput fit, size, remaining work and gradient
         statistics under its application; with ``pool``, the configuration each job runs on
         (``allocations``: its node per replica, as the policy placed it) and the fits to pool."""
-        stale = set()
+        stale, allocations = set(), allocations or {}
         for name, job in jobs.items():
             fn, app = job.speedup_fn, job.application
-            new = self.pool is not None and self._note(name, (allocations or {}).get(name))
+            new = self.pool is not None and self._note(name, allocations.get(name))
             if app is None or not isinstance(fn, SpeedupFunction):
                 continue
             rec = self._apps.setdefault(app, {"r0": 0, "work": 0.0, "grad0": None, "epoch0": 0})
@@ -146,8 +140,7 @@ class ApplicationProfiles:
             n = np.repeat(np.array([c[0] for c in configs], dtype=float), len(bsz))
             r = np.repeat(np.array([c[1] for c in configs], dtype=float), len(bsz))
             b = np.tile(bsz, len(configs))
-            accum = predict_accum_time(perf, b)
-            optim = np.exp(predict_log_optim_time(perf, accum, predict_network_time(perf, n, r)))
+            accum, optim = predict_step_times(perf, n, r, b)
             for col, v in zip(cols, (n, r, b, accum, optim)):
                 col.append(v)
         n, r, b, accum, optim = (np.concatenate(c) for c in cols)
