@@ -1,5 +1,6 @@
-"""The arrival-rate estimate (``adaptrain.sched._arrivals``) and ``WaterfillPolicy``'s flatter
-weights while arrivals are sparse (``sparse_theta``)."""
+"""The arrival-rate estimate (``adaptrain.sched._arrivals``) and ``WaterfillPolicy``'s settings
+while arrivals are sparse: flatter weights (``sparse_theta``), a longer growth payback
+(``sparse_payback``) and no work prior for new jobs (``sparse_work``)."""
 
 from __future__ import annotations
 
@@ -148,6 +149,8 @@ def test_gated_policy_state_roundtrip_keeps_the_arrivals():
     "kwargs, match",
     [
         ({"sparse_theta": 0.0}, "sparse_theta"),
+        ({"sparse_payback": 0.0}, "sparse_payback"),
+        ({"sparse_payback": -3.0}, "sparse_payback"),
         ({"sparse_rate": -1.0}, "sparse_rate"),
         ({"sparse_rate": float("nan")}, "sparse_rate"),
         ({"rate_window": 0.0}, "window"),
@@ -156,3 +159,56 @@ def test_gated_policy_state_roundtrip_keeps_the_arrivals():
 def test_waterfill_rejects_bad_gate_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WaterfillPolicy(**kwargs)
+
+
+def _second_round(policy, jobs, nodes, now):
+    """Replica counts of a second round after the largest job of the first completes: the
+    others may grow into its GPUs (priced by the growth payback)."""
+    first = {k: v for k, v in policy.optimize(jobs, nodes, {}, now).items() if v}
+    done = max(first, key=lambda k: (len(first[k]), k))
+    rest = {k: j for k, j in jobs.items() if k != done}
+    base = {k: v for k, v in first.items() if k in rest}
+    return _counts(policy.optimize(rest, nodes, base, now + 60.0))
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_sparse_arrivals_use_the_sparse_growth_payback(search, seed):
+    """``sparse_payback`` is the growth payback of the rounds with sparse arrivals, in the
+    local search and in the genetic refinement: the gated policy answers as one with that
+    ``grow_payback`` throughout, and as its own ``grow_payback`` when arrivals are dense."""
+    nodes, now = _cluster(), 9 * HOUR
+    sparse, dense = _spread(_jobs(9, seed), HOUR), _spread(_jobs(9, seed), 450.0)
+
+    def make(**kw):
+        base = {"sparse_theta": None, "sparse_payback": None, "sparse_work": None}
+        return WaterfillPolicy(search=search, seed=seed, **{**base, **kw})
+
+    cheap = _second_round(make(grow_payback=100.0), sparse, nodes, now)
+    dear = _second_round(make(grow_payback=0.5), sparse, nodes, now)
+    assert cheap != dear  # the payback decides whether jobs grow into the freed GPUs
+    gated = make(grow_payback=0.5, sparse_payback=100.0)
+    assert _second_round(gated, sparse, nodes, now) == cheap
+    assert gated.sparse_now and gated.payback_now == 100.0 and gated.theta_now == gated.theta
+    gated = make(grow_payback=0.5, sparse_payback=100.0)
+    assert _second_round(gated, dense, nodes, now) == _second_round(
+        make(grow_payback=0.5), dense, nodes, now
+    )
+    assert not gated.sparse_now and gated.payback_now == 0.5
+
+
+def test_gate_without_sparse_theta_keeps_its_arrivals_in_the_state():
+    """Any setting for sparse arrivals opens the gate: the arrivals travel in the state dict
+    even without ``sparse_theta``, and none are kept without any such setting."""
+    nodes, jobs = _cluster(), _spread(_jobs(5, 0), HOUR)
+    policy = WaterfillPolicy(search="local", sparse_theta=None, sparse_work=None)
+    policy.optimize(jobs, nodes, {}, 5 * HOUR)
+    assert policy.sparse_now and len(policy.state_dict()["arrivals"]["keys"]) == 5
+    other = WaterfillPolicy(search="local", sparse_theta=None, sparse_work=None)
+    other.load_state_dict(policy.state_dict())
+    assert other.state_dict() == policy.state_dict()
+    plain = WaterfillPolicy(
+        search="local", sparse_theta=None, sparse_payback=None, sparse_work=None
+    )
+    plain.optimize(jobs, nodes, {}, 5 * HOUR)
+    assert not plain.sparse_now and "arrivals" not in plain.state_dict()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -95,6 +96,9 @@ def test_a_job_never_run_gets_the_earliest_statistics_and_the_work_only_with_the
     # progress x batch size
     most = max(3e4 * early.speedup_fn.base_goodput, 6e4 * late.speedup_fn.base_goodput)
     assert with_prior.remaining_work == pytest.approx(most / with_prior.speedup_fn.base_goodput)
+    # the prior chosen per call (the policy's sparse_work), the instance's setting otherwise
+    assert with_prior.remaining_work == prof.share(new, work_prior=True).remaining_work
+    assert prior.share(new, work_prior=False).remaining_work is None
     # the bound alone: no speedup built
     view = prof.bound_view(new)
     assert view.speedup_fn is new.speedup_fn and view.max_replicas == 16
@@ -285,3 +289,38 @@ def test_waterfill_with_shared_profiles_respects_constraints(case):
         for k, v in alloc.items():
             assert len(v) <= jobs[k].replica_limit
         base = alloc
+
+
+def _labelled_round(every: float) -> dict[str, JobInfo]:
+    """Nine jobs created ``every`` seconds apart: a yolo job that has run on 16 GPUs with much
+    work left, two yolo jobs never run (their work unknown) and six bert jobs."""
+    rng = np.random.default_rng(7)
+    jobs = {"big": _job(GOOD, 16, work=4e6, epoch=2)}
+    jobs.update({f"new{i}": _job(None, 0) for i in range(2)})
+    for i in range(6):
+        perf = GOOD if i % 2 else POOR
+        jobs[f"bert{i}"] = _job(perf, 4, app="bert", work=float(rng.uniform(2e3, 4e4)))
+    return {
+        k: dataclasses.replace(j, creation_timestamp=every * i, age=3600.0, num_restarts=1)
+        for i, (k, j) in enumerate(jobs.items())
+    }
+
+
+def test_sparse_work_drops_the_work_prior_only_while_arrivals_are_sparse():
+    """``WaterfillPolicy(sparse_work=False)``: a job never run gets no work prior (weight 1,
+    as any new job) in rounds with sparse arrivals, and the prior otherwise."""
+    nodes = {i: NodeInfo(4) for i in range(4)}
+
+    def counts(jobs, **kw):
+        base = {"sparse_theta": None, "sparse_payback": None, "sparse_work": None}
+        policy = WaterfillPolicy(search="local", **{**base, **kw})
+        out = policy.optimize(jobs, nodes, {}, 9 * 3600.0)
+        return {k: len(v) for k, v in out.items() if v}, policy
+
+    sparse, dense = _labelled_round(3600.0), _labelled_round(450.0)
+    without, _ = counts(sparse, share_work=False)
+    assert without != counts(sparse)[0]  # the prior decides the new jobs' sizes here
+    got, policy = counts(sparse, sparse_work=False)
+    assert got == without and policy.sparse_now
+    got, policy = counts(dense, sparse_work=False)
+    assert got == counts(dense)[0] and not policy.sparse_now

@@ -234,7 +234,13 @@ def test_genetic_state_roundtrip_replays_identically():
     other = WaterfillPolicy(seed=99, genetic_runs=1)
     other.load_state_dict(state)
     assert other.optimize(jobs, nodes, first, 60.0) == second
-    local = WaterfillPolicy(search="local", sparse_theta=None, share_profiles=False)
+    local = WaterfillPolicy(
+        search="local",
+        sparse_theta=None,
+        sparse_payback=None,
+        sparse_work=None,
+        share_profiles=False,
+    )
     assert local.state_dict() == {}
     assert WaterfillPolicy(search="local").state_dict() == {
         "arrivals": {"keys": [], "times": []},

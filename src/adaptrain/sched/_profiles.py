@@ -152,9 +152,11 @@ class ApplicationProfiles:
         rec = self._record(job)
         return job if rec is None else self._bounded(job, rec)
 
-    def share(self, job: JobInfo) -> JobInfo:
+    def share(self, job: JobInfo, work_prior: bool | None = None) -> JobInfo:
         """``job`` as its application's profile sees it (module docstring); unchanged if the
-        application has no larger profile."""
+        application has no larger profile. ``work_prior`` overrides the instance's setting for
+        this call (``None``: the instance's)."""
+        prior = self.work_prior if work_prior is None else bool(work_prior)
         rec = self._record(job)
         if rec is None:
             return job
@@ -172,7 +174,7 @@ class ApplicationProfiles:
         fn = self._speedup(job.application, rec, grad)
         rem = job.remaining_work
         if rem is None:
-            rem = rec["work"] / fn.base_goodput if self.work_prior and rec["work"] > 0 else None
+            rem = rec["work"] / fn.base_goodput if prior and rec["work"] > 0 else None
         elif isinstance(own, SpeedupFunction):  # the same progress at the shared rate
             rem = rem * own.base_goodput / fn.base_goodput
         return dataclasses.replace(self._bounded(job, rec), speedup_fn=fn, remaining_work=rem)

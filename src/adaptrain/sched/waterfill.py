@@ -19,8 +19,8 @@ max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to co
 ``U`` the identity (``p = 1``) or a power/log utility, ``c_j`` Pollux's restart penalty
 (floored at ``min_restart_cost``) and ``g_j`` the least share of its new speed a running job
 pays to grow (``H`` = ``grow_payback`` rounds, ``T_j = R_j / s_j(r_j^cur)`` the job's remaining
-time at its current size; both below). ``theta`` is ``sparse_theta`` instead while jobs arrive
-sparsely ("Sparse arrivals" below). With ``weighting="las"`` the weight uses the attained GPU
+time at its current size; both below). ``theta`` is ``sparse_theta`` and ``H`` is
+``sparse_payback`` instead while jobs arrive sparsely ("Sparse arrivals" below). With ``weighting="las"`` the weight uses the attained GPU
 time instead (non-clairvoyant).
 
 Solved by a warm-started local search: start from the current replica counts (no restart for
@@ -209,6 +209,22 @@ calibration on this trace's mix of jobs like ``theta`` itself. Effect over ten s
 0.9001 -> 0.8744/0.9076/0.8788/0.8955 x stored Pollux (``benchmarks/results/sched.md``,
 session 47).
 
+The same gate sets two more things while arrivals are sparse: the growth payback
+(``sparse_payback``, default 4.5 rounds, in place of ``grow_payback``) and the work prior of a
+job never run (``sparse_work``, default ``False``, in place of ``share_work``); ``None`` keeps
+the setting of dense arrivals in every round. With few arrivals, GPUs a job grows into stay
+with it longer before a newcomer claims them back, so a growth may take longer to repay its
+restart (``g`` = 1/9 of the new speed rather than 1/6). A job never run is admitted as any new
+job, at weight 1, rather than behind its application's longest job: at light load it competes
+mostly for GPUs that would otherwise add little to a long job. Either setting alone leaned the
+right way on workload-3 and workload-6 at load 0.5 (by 0.3-0.8 points over ten seeds, with
+``grow_payback = 4.5`` level at load 1.0 and ``share_work = False`` 0.5 points worse there),
+which is why they follow the gate. Gated, over ten seeds on a host with AVX-512, avg JCT /
+stored Pollux at load 0.5: workload-3 0.9064 -> 0.8980 (seeds 10-19: 0.9077 -> 0.8957),
+workload-6 0.9047 -> 0.8962 (seeds 10-19: 0.8994 -> 0.8995, level), workload-1 0.8826 ->
+0.8848, workload-5 0.8796 -> 0.8843; the files at loads 1.0-2.0 read the same JCTs, the gate
+shut in every round (``benchmarks/results/sched.md``, session 63).
+
 Shared profiles (``share_profiles``, default ``True``): jobs of one application
 (``JobInfo.application``: the same model on the same hardware) have the same throughput, so a
 job that has run on fewer replicas than another of its application is valued by the
@@ -352,6 +368,8 @@ class WaterfillPolicy:
         share_profiles: bool = True,
         share_work: bool = True,
         pool_fits: int | None = 16,
+        sparse_payback: float | None = 4.5,
+        sparse_work: bool | None = False,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
@@ -392,6 +410,11 @@ class WaterfillPolicy:
                 f"sparse_theta={sparse_theta} must be > 0 seconds, or None (theta whatever the "
                 "arrival rate)"
             )
+        if sparse_payback is not None and not sparse_payback > 0.0:
+            raise ValueError(
+                f"sparse_payback={sparse_payback} must be > 0 rounds, or None (grow_payback "
+                "whatever the arrival rate)"
+            )
         if not (math.isfinite(sparse_rate) and sparse_rate >= 0):
             raise ValueError(f"sparse_rate={sparse_rate} must be >= 0 arrivals per GPU-hour")
         # ArrivalRate checks this too; here the message names the policy's own parameter
@@ -417,6 +440,10 @@ class WaterfillPolicy:
         self.alpha = alpha
         self.sparse_theta = sparse_theta
         self.sparse_rate = sparse_rate
+        self.sparse_payback = sparse_payback
+        self.sparse_work = sparse_work
+        #: whether the latest round saw sparse arrivals (below ``sparse_rate``)
+        self.sparse_now = False
         self.rate_window = rate_window
         self._arrivals = ArrivalRate(window=rate_window)
         #: the ``theta`` of the latest round (``sparse_theta`` while arrivals were sparse)
@@ -438,6 +465,8 @@ class WaterfillPolicy:
         self.first_beta = first_beta
         self.future_gamma = future_gamma
         self.grow_payback = grow_payback
+        #: the ``grow_payback`` of the latest round (``sparse_payback`` while arrivals were sparse)
+        self.payback_now = grow_payback
         self.payback_remaining = payback_remaining
         self.share_profiles = share_profiles
         self.share_work = share_work
@@ -463,9 +492,9 @@ class WaterfillPolicy:
         """The least share of its new speed a running job that grows pays for its restart:
         ``restart_delay / (grow_payback * round_seconds)``, at most 1 (0 without
         ``grow_payback``)."""
-        if self.grow_payback is None or self.restart_delay <= 0:
+        if self.payback_now is None or self.restart_delay <= 0:
             return 0.0
-        return min(1.0, self.restart_delay / (self.grow_payback * self.round_seconds))
+        return min(1.0, self.restart_delay / (self.payback_now * self.round_seconds))
 
     def _grow_costs(
         self, jobs: Mapping[str, JobInfo], base_allocations: Mapping[str, list[int]]
@@ -477,7 +506,7 @@ class WaterfillPolicy:
         d = self.restart_delay
         if not self.payback_remaining or d <= 0:
             return {}
-        horizon = math.inf if self.grow_payback is None else self.grow_payback * self.round_seconds
+        horizon = math.inf if self.payback_now is None else self.payback_now * self.round_seconds
         out = {}
         for k, job in jobs.items():
             r = len(base_allocations.get(k, []))
@@ -500,7 +529,7 @@ class WaterfillPolicy:
             out.update(self._runs[0].state_dict())
         elif self._runs:
             out["runs"] = [g.state_dict() for g in self._runs]
-        if self.sparse_theta is not None:
+        if self._gated():
             out["arrivals"] = self._arrivals.state_dict()
         if self._profiles is not None:
             out["profiles"] = self._profiles.state_dict()
@@ -525,18 +554,32 @@ class WaterfillPolicy:
         for g, st in zip(self._runs, runs, strict=True):
             g.load_state_dict(st)
 
+    def _gated(self) -> bool:
+        """Whether any setting depends on the arrival rate (``sparse_theta``,
+        ``sparse_payback`` or ``sparse_work``)."""
+        return (
+            self.sparse_theta is not None
+            or self.sparse_payback is not None
+            or self.sparse_work is not None
+        )
+
+    def sparse_arrivals(self, jobs: Mapping[str, JobInfo], gpus: int, now: float) -> bool:
+        """Whether the arrival rate seen over the last ``rate_window`` is below
+        ``sparse_rate`` per GPU-hour (``False`` before an hour of arrivals is seen, and when
+        no setting depends on it). Notes the jobs' creation timestamps."""
+        if not self._gated():
+            return False
+        for k, job in jobs.items():
+            self._arrivals.observe(k, job.creation_timestamp)
+        rate = self._arrivals.rate(now, gpus)
+        return rate is not None and rate < self.sparse_rate
+
     def current_theta(self, jobs: Mapping[str, JobInfo], gpus: int, now: float) -> float:
         """This round's ``theta``: ``sparse_theta`` while the arrival rate seen over the last
         ``rate_window`` is below ``sparse_rate`` per GPU-hour, else ``theta`` (see "Sparse
         arrivals" in the module docstring). Notes the jobs' creation timestamps."""
-        if self.sparse_theta is None:
-            return self.theta
-        for k, job in jobs.items():
-            self._arrivals.observe(k, job.creation_timestamp)
-        rate = self._arrivals.rate(now, gpus)
-        if rate is not None and rate < self.sparse_rate:
-            return self.sparse_theta
-        return self.theta
+        sparse = self.sparse_arrivals(jobs, gpus, now)
+        return self.sparse_theta if sparse and self.sparse_theta is not None else self.theta
 
     def replica_bound(self, job: JobInfo) -> int:
         """The most replicas this policy gives ``job`` now: up to ``first_replicas`` for a job
@@ -705,10 +748,19 @@ class WaterfillPolicy:
         total = sum(int(n.gpus) for n in nodes.values())
         if not jobs or total == 0:
             return {}
+        self.sparse_now = sparse = self.sparse_arrivals(jobs, total, time)
+        self.theta_now = (
+            self.sparse_theta if sparse and self.sparse_theta is not None else self.theta
+        )
+        self.payback_now = self.grow_payback
+        prior = None
+        if sparse:  # the settings for sparse arrivals, where given
+            if self.sparse_payback is not None:
+                self.payback_now = self.sparse_payback
+            prior = self.sparse_work
         if self._profiles is not None:  # throughput fits shared within applications
             self._profiles.observe(jobs, base_allocations)
-            jobs = {k: self._profiles.share(job) for k, job in jobs.items()}
-        self.theta_now = self.current_theta(jobs, total, time)
+            jobs = {k: self._profiles.share(job, prior) for k, job in jobs.items()}
         grow = self._grow_costs(jobs, base_allocations)
         jobs = self._explore(self._widen(jobs))
         keys = sorted(jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp))
@@ -757,6 +809,7 @@ class WaterfillPolicy:
         n_runs = max(1, min(len(self._runs), len(self._runs) * full // len(jobs)))
         best, best_fit = placed, -np.inf
         for g in self._runs[:n_runs]:
+            g.grow_cost = self._grow_cost()  # this round's payback
             out = g.refine(jobs, nodes, base_allocations, weight, placed, grow)
             if g.last_fitness > best_fit:
                 best, best_fit = out, g.last_fitness
