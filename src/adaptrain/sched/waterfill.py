@@ -20,8 +20,8 @@ max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to co
 (floored at ``min_restart_cost``) and ``g_j`` the least share of its new speed a running job
 pays to grow (``H`` = ``grow_payback`` rounds, ``T_j = R_j / s_j(r_j^cur)`` the job's remaining
 time at its current size; both below). ``theta`` is ``sparse_theta`` and ``H`` is
-``sparse_payback`` instead while jobs arrive sparsely ("Sparse arrivals" below). With ``weighting="las"`` the weight uses the attained GPU
-time instead (non-clairvoyant).
+``sparse_payback`` instead while jobs arrive sparsely ("Sparse arrivals" below). With
+``weighting="las"`` the weight uses the attained GPU time instead (non-clairvoyant).
 
 Solved by a warm-started local search: start from the current replica counts (no restart for
 anyone), admit waiting jobs with one GPU each (from free GPUs, or from the job that loses least),
@@ -222,8 +222,8 @@ right way on workload-3 and workload-6 at load 0.5 (by 0.3-0.8 points over ten s
 which is why they follow the gate. Gated, over ten seeds on a host with AVX-512, avg JCT /
 stored Pollux at load 0.5: workload-3 0.9064 -> 0.8980 (seeds 10-19: 0.9077 -> 0.8957),
 workload-6 0.9047 -> 0.8962 (seeds 10-19: 0.8994 -> 0.8995, level), workload-1 0.8826 ->
-0.8848, workload-5 0.8796 -> 0.8843; the files at loads 1.0-2.0 read the same JCTs, the gate
-shut in every round (``benchmarks/results/sched.md``, session 63).
+0.8848, workload-5 0.8796 -> 0.8843; the twelve files at loads 1.0-2.0 read the same JCTs
+(seed 0), the gate shut in every round (``benchmarks/results/sched.md``, session 63).
 
 Shared profiles (``share_profiles``, default ``True``): jobs of one application
 (``JobInfo.application``: the same model on the same hardware) have the same throughput, so a
@@ -578,7 +578,9 @@ class WaterfillPolicy:
         """This round's ``theta``: ``sparse_theta`` while the arrival rate seen over the last
         ``rate_window`` is below ``sparse_rate`` per GPU-hour, else ``theta`` (see "Sparse
         arrivals" in the module docstring). Notes the jobs' creation timestamps."""
-        sparse = self.sparse_arrivals(jobs, gpus, now)
+        return self._theta(self.sparse_arrivals(jobs, gpus, now))
+
+    def _theta(self, sparse: bool) -> float:
         return self.sparse_theta if sparse and self.sparse_theta is not None else self.theta
 
     def replica_bound(self, job: JobInfo) -> int:
@@ -749,9 +751,7 @@ class WaterfillPolicy:
         if not jobs or total == 0:
             return {}
         self.sparse_now = sparse = self.sparse_arrivals(jobs, total, time)
-        self.theta_now = (
-            self.sparse_theta if sparse and self.sparse_theta is not None else self.theta
-        )
+        self.theta_now = self._theta(sparse)
         self.payback_now = self.grow_payback
         prior = None
         if sparse:  # the settings for sparse arrivals, where given
