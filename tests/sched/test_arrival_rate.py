@@ -190,10 +190,10 @@ def test_sparse_arrivals_use_the_sparse_growth_payback(search, seed):
     gated = make(grow_payback=0.5, sparse_payback=100.0)
     assert _second_round(gated, sparse, nodes, now) == cheap
     assert gated.sparse_now and gated.payback_now == 100.0 and gated.theta_now == gated.theta
+    dear = _second_round(make(grow_payback=0.5), dense, nodes, now)
+    assert dear != _second_round(make(grow_payback=100.0), dense, nodes, now)  # here too
     gated = make(grow_payback=0.5, sparse_payback=100.0)
-    assert _second_round(gated, dense, nodes, now) == _second_round(
-        make(grow_payback=0.5), dense, nodes, now
-    )
+    assert _second_round(gated, dense, nodes, now) == dear
     assert not gated.sparse_now and gated.payback_now == 0.5
 
 

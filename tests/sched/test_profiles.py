@@ -322,5 +322,7 @@ def test_sparse_work_drops_the_work_prior_only_while_arrivals_are_sparse():
     assert without != counts(sparse)[0]  # the prior decides the new jobs' sizes here
     got, policy = counts(sparse, sparse_work=False)
     assert got == without and policy.sparse_now
+    with_prior = counts(dense)[0]
+    assert with_prior != counts(dense, share_work=False)[0]  # here too
     got, policy = counts(dense, sparse_work=False)
-    assert got == counts(dense)[0] and not policy.sparse_now
+    assert got == with_prior and not policy.sparse_now
