@@ -522,9 +522,9 @@ class WaterfillPolicy:
     def state_dict(self) -> dict:
         """The genetic searches' warm-start populations and generator states (none if local):
         one run's state dict's keys, or ``"runs": [...]`` with ``genetic_runs > 1``; and
-        ``"arrivals"``, the jobs seen for the arrival rate (with ``sparse_theta``, ``sparse_payback`` or
-        ``sparse_work``); and
-        ``"profiles"``, the applications' shared throughput fits (with ``share_profiles``)."""
+        ``"arrivals"``, the jobs seen for the arrival rate (with ``sparse_theta``,
+        ``sparse_payback`` or ``sparse_work``); and ``"profiles"``, the applications' shared
+        throughput fits (with ``share_profiles``)."""
         out: dict = {}
         if len(self._runs) == 1:
             out.update(self._runs[0].state_dict())
