@@ -442,12 +442,11 @@ class WaterfillPolicy:
         self.sparse_rate = sparse_rate
         self.sparse_payback = sparse_payback
         self.sparse_work = sparse_work
-        #: whether the latest round saw sparse arrivals (below ``sparse_rate``)
+        #: whether the latest round saw sparse arrivals (below ``sparse_rate``); the round's
+        #: ``theta_now`` and ``payback_now`` follow from it
         self.sparse_now = False
         self.rate_window = rate_window
         self._arrivals = ArrivalRate(window=rate_window)
-        #: the ``theta`` of the latest round (``sparse_theta`` while arrivals were sparse)
-        self.theta_now = theta
         self.weighting = weighting
         self.p = p
         self.restart_delay = restart_delay
@@ -465,8 +464,6 @@ class WaterfillPolicy:
         self.first_beta = first_beta
         self.future_gamma = future_gamma
         self.grow_payback = grow_payback
-        #: the ``grow_payback`` of the latest round (``sparse_payback`` while arrivals were sparse)
-        self.payback_now = grow_payback
         self.payback_remaining = payback_remaining
         self.share_profiles = share_profiles
         self.share_work = share_work
@@ -575,14 +572,21 @@ class WaterfillPolicy:
         rate = self._arrivals.rate(now, gpus)
         return rate is not None and rate < self.sparse_rate
 
-    def current_theta(self, jobs: Mapping[str, JobInfo], gpus: int, now: float) -> float:
-        """This round's ``theta``: ``sparse_theta`` while the arrival rate seen over the last
-        ``rate_window`` is below ``sparse_rate`` per GPU-hour, else ``theta`` (see "Sparse
-        arrivals" in the module docstring). Notes the jobs' creation timestamps."""
-        return self._theta(self.sparse_arrivals(jobs, gpus, now))
+    @property
+    def theta_now(self) -> float:
+        """The latest round's ``theta``: ``sparse_theta`` while arrivals were sparse (see
+        "Sparse arrivals" in the module docstring), else ``theta``."""
+        if self.sparse_now and self.sparse_theta is not None:
+            return self.sparse_theta
+        return self.theta
 
-    def _theta(self, sparse: bool) -> float:
-        return self.sparse_theta if sparse and self.sparse_theta is not None else self.theta
+    @property
+    def payback_now(self) -> float | None:
+        """The latest round's growth payback: ``sparse_payback`` while arrivals were sparse,
+        else ``grow_payback``."""
+        if self.sparse_now and self.sparse_payback is not None:
+            return self.sparse_payback
+        return self.grow_payback
 
     def replica_bound(self, job: JobInfo) -> int:
         """The most replicas this policy gives ``job`` now: up to ``first_replicas`` for a job
@@ -751,14 +755,9 @@ class WaterfillPolicy:
         total = sum(int(n.gpus) for n in nodes.values())
         if not jobs or total == 0:
             return {}
-        self.sparse_now = sparse = self.sparse_arrivals(jobs, total, time)
-        self.theta_now = self._theta(sparse)
-        self.payback_now = self.grow_payback
-        prior = None
-        if sparse:  # the settings for sparse arrivals, where given
-            if self.sparse_payback is not None:
-                self.payback_now = self.sparse_payback
-            prior = self.sparse_work
+        # this round's theta_now and payback_now follow; the work prior (None: the instance's)
+        self.sparse_now = self.sparse_arrivals(jobs, total, time)
+        prior = self.sparse_work if self.sparse_now else None
         if self._profiles is not None:  # throughput fits shared within applications
             self._profiles.observe(jobs, base_allocations)
             jobs = {k: self._profiles.share(job, prior) for k, job in jobs.items()}
