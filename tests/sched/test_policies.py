@@ -86,16 +86,22 @@ SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[Healt
 
 
 @SETTINGS
-@given(cluster_and_jobs(), st.sampled_from([4.0, None]), st.sampled_from([4, None]))
-def test_waterfill_respects_constraints(case, growth, first):
+@given(
+    cluster_and_jobs(),
+    st.sampled_from([4.0, None]),
+    st.sampled_from([4, None]),
+    st.sampled_from([2, 3]),
+)
+def test_waterfill_respects_constraints(case, growth, first, min_nodes):
     """Within capacity, min replicas, interference rules and its own bound (explore_growth
     times the tried size, first_replicas for a job never run, within replica_limit); the
-    allocator's cap without either rule."""
+    allocator's cap without either rule. The node floor (``min_nodes``) changes none of it."""
     jobs, nodes, base = case
     policy = WaterfillPolicy(
         gpus_per_node=max(n.gpus for n in nodes.values()),
         explore_growth=growth,
         first_replicas=first,
+        min_nodes=min_nodes,
     )
     alloc = {k: v for k, v in policy.optimize(jobs, nodes, base, 0.0).items() if v}
     check_allocations(alloc, jobs, nodes, interference=True, policy=policy)

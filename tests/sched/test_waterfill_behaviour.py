@@ -943,3 +943,72 @@ def test_the_local_search_maximises_the_weighted_utility_of_exponent_p(p, want):
     policy = WaterfillPolicy(theta=theta, p=p, search="local", future_gamma=None)
     out = policy.optimize(jobs, {0: NodeInfo(8)}, {}, 0.0)
     assert (len(out["a"]), len(out["b"])) == want
+
+
+@pytest.mark.parametrize(
+    ("r", "free", "min_nodes", "want"),
+    [
+        # 8 replicas on four empty nodes: packed on two, or spread over three / four
+        (8, {0: 4, 1: 4, 2: 4, 3: 4}, 2, {0: 4, 1: 4}),
+        (8, {0: 4, 1: 4, 2: 4, 3: 4}, 3, {0: 3, 1: 3, 2: 2}),
+        (8, {0: 4, 1: 4, 2: 4, 3: 4}, 4, {0: 2, 1: 2, 2: 2, 3: 2}),
+        # uneven free GPUs: the least free node gives what it has, the others the rest
+        (6, {0: 4, 1: 1, 2: 2, 3: 4}, 3, {0: 2, 2: 2, 3: 2}),
+        (7, {0: 4, 1: 1, 2: 4}, 3, {0: 3, 1: 1, 2: 3}),
+        # 12 replicas already span three nodes: packed as before
+        (12, {0: 4, 1: 4, 2: 4, 3: 4}, 3, {0: 4, 1: 4, 2: 4}),
+        # only two nodes free of multi-node jobs: packed on two (the floor is soft)
+        (8, {0: 4, 1: 4}, 3, {0: 4, 1: 4}),
+        # a job that fits on one node stays there
+        (4, {0: 4, 1: 4, 2: 4}, 3, {0: 4}),
+    ],
+)
+def test_the_node_floor_spreads_a_multi_node_job_over_the_emptiest_nodes(r, free, min_nodes, want):
+    alloc = WaterfillPolicy._fit(r, dict(free), {n: False for n in free}, 4, min_nodes)
+    assert alloc is not None and len(alloc) == r
+    assert {n: alloc.count(n) for n in set(alloc)} == want
+
+
+@pytest.mark.parametrize("search", ["local", "genetic"])
+def test_with_a_node_floor_no_multi_node_job_spans_two_nodes(search):
+    """The job of ``test_single_node_jobs_are_packed_and_multi_node_jobs_get_whole_nodes`` (8
+    replicas, two whole nodes by default) spans three nodes or more under ``min_nodes=3``, in
+    the local search and in the genetic refinement (which values two nodes at nothing), and the
+    interference rule holds."""
+    nodes = _cluster(4, 4)
+    jobs = {
+        "big": JobInfo(0.0, max_replicas=8, min_replicas=8, speedup_fn=LinearSpeedup()),
+        "s1": JobInfo(1.0, max_replicas=2, speedup_fn=LinearSpeedup()),
+        "s2": JobInfo(2.0, max_replicas=2, speedup_fn=LinearSpeedup()),
+    }
+    for seed in range(3):
+        policy = WaterfillPolicy(search=search, min_nodes=3, seed=seed)
+        alloc = {k: v for k, v in policy.optimize(jobs, nodes, {}, 0.0).items() if v}
+        check_allocations(alloc, jobs, nodes, interference=True)
+        assert len(alloc["big"]) == 8 and len(set(alloc["big"])) >= 3
+        if search == "genetic":  # a running job on two nodes is worth nothing there
+            base = {"big": [0] * 4 + [1] * 4, "s1": [2, 2], "s2": [3, 3]}
+            again = policy.optimize(jobs, nodes, base, 600.0)
+            check_allocations({k: v for k, v in again.items() if v}, jobs, nodes, interference=True)
+            assert len(again["big"]) == 8 and len(set(again["big"])) >= 3
+
+
+def test_the_genetic_refinement_values_two_nodes_at_nothing_under_a_node_floor():
+    nodes = _cluster(4, 4)
+    jobs = {"big": JobInfo(0.0, max_replicas=8, speedup_fn=LinearSpeedup(), age=1e5)}
+    packed, spread = {"big": [0] * 4 + [1] * 4}, {"big": [0] * 3 + [1] * 3 + [2] * 2}
+    for floor, want in ((2, True), (3, False)):
+        search = WaterfillPolicy(min_nodes=floor)._runs[0]
+        assert search.min_nodes == floor
+        fit = {
+            name: search.fitness(jobs, nodes, alloc, {"big": 1.0}, alloc)
+            for name, alloc in (("packed", packed), ("spread", spread))
+        }
+        assert (fit["packed"] == fit["spread"]) is want  # the model prices replicas alone
+        assert fit["spread"] > 0
+
+
+@pytest.mark.parametrize("bad", [1, 0, -2, 2.5, True, "3"])
+def test_min_nodes_is_validated(bad):
+    with pytest.raises(ValueError, match="min_nodes"):
+        WaterfillPolicy(min_nodes=bad)

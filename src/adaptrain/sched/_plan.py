@@ -61,7 +61,9 @@ class WeightedGeneticSearch(PolluxPolicy):
     Not a policy by itself: :meth:`refine` takes the jobs, their weights and a seed allocation.
     With more than ``max_jobs_full`` jobs it runs proportionally fewer generations; with
     ``patience`` it stops after that many generations in a row without a fitter candidate
-    (the best FITNESS in the population; ``None``: every generation runs).
+    (the best FITNESS in the population; ``None``: every generation runs). With ``min_nodes``
+    above 2 a placement on 2 .. ``min_nodes - 1`` nodes (at most the cluster's) is worth
+    nothing (:class:`~adaptrain.sched.WaterfillPolicy`'s node floor).
     Its warm-start population and random generator round-trip through ``state_dict``.
     """
 
@@ -78,7 +80,11 @@ class WeightedGeneticSearch(PolluxPolicy):
         max_jobs_full: int = 40,
         grow_cost: float = 0.0,
         patience: int | None = None,
+        min_nodes: int = 2,
     ) -> None:
+        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 2:
+            raise ValueError(f"min_nodes={min_nodes!r} must be an integer >= 2")
+        self.min_nodes = min_nodes
         super().__init__(
             pop_size=pop_size, generations=generations, restart_delay=restart_delay, seed=seed
         )
@@ -111,6 +117,9 @@ class WeightedGeneticSearch(PolluxPolicy):
             fn = job.speedup_fn
             vals = r_grid[ok] if fn is None else fn(n_grid[ok], r_grid[ok])
             table[j][ok] = np.maximum(np.asarray(vals, dtype=np.float64), 0.0)
+        # placements on 2 .. min_nodes - 1 nodes (at most the cluster's) are worth nothing
+        floor = min(self.min_nodes, int(np.count_nonzero(self._cap > 0)))
+        table[:, 2:floor, :] = 0.0
         return table
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:

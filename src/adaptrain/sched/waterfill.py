@@ -280,6 +280,21 @@ file's policy time by about 65% (0.035 s per round) but lost 0.8 points of avg J
 (better on one file, worse on five); 25 lost 0.5 points on the load-2.0 files. An option for
 clusters where the policy's time matters more than the last point of JCT
 (``benchmarks/results/sched.md``, session 32).
+
+Node floor (``min_nodes``, default 2: off): a job placed on more than one node spans at least
+``min_nodes`` nodes (at most the cluster's). The goodput model prices a multi-node job by its
+replica count alone, whatever the number of nodes, so a policy packs it on as few nodes as hold
+it; on the Pollux artifact's cluster, 5-8 replicas on two nodes run 20-70% slower than on
+three or four, for every one of its six models (``placements.csv``: yolov3 at 8 replicas 39
+samples/s on 2 nodes, 61 on 3, 63-68 on 4, 64 on one node of 4). With ``min_nodes=3`` the local
+search spreads such a job over the emptiest nodes free of other multi-node jobs, as evenly as
+their free GPUs allow, where there are enough of them (else it packs as before), and the genetic
+refinement values a placement on 2 .. ``min_nodes - 1`` nodes at nothing. Same-host readings,
+avg JCT / stored Pollux (``benchmarks/results/sched.md``, session 64): workload-3 at load 1.0
+0.9081 -> 0.9064 over twenty seeds (better under 12), workload-3 at load 0.5 0.8998 -> 0.8970
+and workload-6 at load 0.5 0.8964 -> 0.8950 over ten: the same sign on all three, each within
+about one standard error. An option, not the default: it fits that cluster's measurements, and
+where GPUs within a node talk faster than across nodes (NVLink), packing is the better rule.
 """
 
 from __future__ import annotations
@@ -370,6 +385,7 @@ class WaterfillPolicy:
         pool_fits: int | None = 16,
         sparse_payback: float | None = 4.5,
         sparse_work: bool | None = False,
+        min_nodes: int = 2,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
@@ -387,6 +403,11 @@ class WaterfillPolicy:
             )
         if not 0.0 <= first_beta <= 1.0:
             raise ValueError(f"first_beta={first_beta} must lie in [0, 1]")
+        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 2:
+            raise ValueError(
+                f"min_nodes={min_nodes!r} must be an integer >= 2 (2: a multi-node job packed on "
+                "as few nodes as hold it)"
+            )
         if explore_growth is not None and not explore_growth >= 1.0:
             raise ValueError(
                 f"explore_growth={explore_growth} must be >= 1, or None (the allocator's cap)"
@@ -471,6 +492,7 @@ class WaterfillPolicy:
         self._profiles = (
             ApplicationProfiles(work_prior=share_work, pool=pool_fits) if share_profiles else None
         )
+        self.min_nodes = min_nodes
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -481,6 +503,7 @@ class WaterfillPolicy:
                     None if seed is None else seed + i,
                     grow_cost=self._grow_cost(),
                     patience=genetic_patience,
+                    min_nodes=self.min_nodes,
                 )
                 for i in range(genetic_runs)
             ]
@@ -929,7 +952,7 @@ class WaterfillPolicy:
         for k in pending:
             r, alloc = target[k], None
             while r >= need[k]:
-                alloc = self._fit(r, free, multi_owner, g)
+                alloc = self._fit(r, free, multi_owner, g, self.min_nodes)
                 if alloc is not None:
                     break
                 r -= 1
@@ -944,7 +967,12 @@ class WaterfillPolicy:
         return out
 
     @staticmethod
-    def _fit(r: int, free: dict, multi_owner: dict, g: int) -> list[int] | None:
+    def _fit(r: int, free: dict, multi_owner: dict, g: int, min_nodes: int = 2) -> list[int] | None:
+        """Nodes for ``r`` replicas (``free`` GPUs per node, changed by the caller): one node,
+        the fullest that holds them all; else nodes without another multi-node job, emptiest
+        first, on at least ``min_nodes`` of them (at most the cluster's) where enough such
+        nodes have free GPUs, split as evenly as their free GPUs allow, else packed on as few
+        as hold them; ``None`` if they do not fit, or only on over one node more than packed."""
         if r <= g:
             n = _best_fit(r, free)
             if n is not None:
@@ -955,6 +983,18 @@ class WaterfillPolicy:
         )
         if sum(free[n] for n in cand) < r:
             return None
+        spread = max(math.ceil(r / g), min(min_nodes, len(free)))
+        if spread > math.ceil(r / g) and r >= spread and len(cand) >= spread:
+            # the `spread` emptiest nodes, least free first: each takes its even share of
+            # what is left, or all it has, and the emptier ones make up the rest
+            chosen = sorted(cand[:spread], key=lambda n: (free[n], n))
+            alloc, left = [], r
+            for i, n in enumerate(chosen):
+                take = min(free[n], math.ceil(left / (spread - i)))
+                alloc.extend([n] * take)
+                left -= take
+            if left == 0:
+                return sorted(alloc)
         alloc: list[int] = []
         for n in cand:
             take = min(free[n], r - len(alloc))
