@@ -961,6 +961,9 @@ def test_the_local_search_maximises_the_weighted_utility_of_exponent_p(p, want):
         (8, {0: 4, 1: 4}, 3, {0: 4, 1: 4}),
         # a job that fits on one node stays there
         (4, {0: 4, 1: 4, 2: 4}, 3, {0: 4}),
+        # one that fits on no single node: packed on the emptiest nodes, as without the option
+        (4, {0: 3, 1: 3}, 2, {0: 3, 1: 1}),
+        (4, {0: 3, 1: 3, 2: 1}, 3, {0: 2, 1: 1, 2: 1}),
     ],
 )
 def test_the_node_floor_spreads_a_multi_node_job_over_the_emptiest_nodes(r, free, min_nodes, want):

@@ -986,7 +986,7 @@ class WaterfillPolicy:
         if sum(free[n] for n in cand) < r:
             return None
         spread = max(math.ceil(r / g), min(min_nodes, len(free)))
-        if spread > math.ceil(r / g) and r >= spread and len(cand) >= spread:
+        if min_nodes > 2 and spread > math.ceil(r / g) and r >= spread and len(cand) >= spread:
             # the `spread` emptiest nodes, least free first: each takes its even share of
             # what is left, or all it has, and the emptier ones make up the rest
             chosen = sorted(cand[:spread], key=lambda n: (free[n], n))
