@@ -293,8 +293,8 @@ refinement values a placement on 2 .. ``min_nodes - 1`` nodes at nothing. Same-h
 avg JCT / stored Pollux (``benchmarks/results/sched.md``, session 64): workload-3 at load 1.0
 0.9081 -> 0.9064 over twenty seeds (better under 12), workload-3 at load 0.5 0.8998 -> 0.8970
 and workload-6 at load 0.5 0.8964 -> 0.8950 over ten, each within about one standard error;
-over seeds 0-2 other files move by up to two points either way (workload-6 at load 1.0 -2.1,
-workload-5 at load 1.0 +1.6). An option, not the default: no gain on the target file, and the
+over seeds 0-2 other files move by up to two points either way (workload-6 at load 1.0 -2.0,
+workload-5 at load 1.0 +1.1). An option, not the default: no gain on the target file, and the
 rule fits that cluster's measurements; where GPUs within a node talk faster than across nodes
 (NVLink), packing is the better rule.
 """
