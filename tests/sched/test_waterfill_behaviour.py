@@ -19,6 +19,7 @@ from adaptrain.sched import (
     check_allocations,
     replica_bound,
 )
+from adaptrain.sched._plan import WeightedGeneticSearch
 
 
 def _concave(a: float):
@@ -977,7 +978,9 @@ def test_with_a_node_floor_no_multi_node_job_spans_two_nodes(search):
     """The job of ``test_single_node_jobs_are_packed_and_multi_node_jobs_get_whole_nodes`` (8
     replicas, two whole nodes by default) spans three nodes or more under ``min_nodes=3``, in
     the local search and in the genetic refinement (which values two nodes at nothing), and the
-    interference rule holds."""
+    interference rule holds. A job already running on two nodes keeps them in the local search
+    (an unchanged size keeps its nodes: no restart it does not price); the genetic refinement
+    moves it off them."""
     nodes = _cluster(4, 4)
     jobs = {
         "big": JobInfo(0.0, max_replicas=8, min_replicas=8, speedup_fn=LinearSpeedup()),
@@ -1015,3 +1018,5 @@ def test_the_genetic_refinement_values_two_nodes_at_nothing_under_a_node_floor()
 def test_min_nodes_is_validated(bad):
     with pytest.raises(ValueError, match="min_nodes"):
         WaterfillPolicy(min_nodes=bad)
+    with pytest.raises(ValueError, match="min_nodes"):
+        WeightedGeneticSearch(min_nodes=bad)
