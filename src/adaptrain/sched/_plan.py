@@ -50,9 +50,19 @@ from .pollux import PolluxPolicy, _crowding, nondominated_ranks
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightedGeneticSearch"]
+__all__ = ["WeightedGeneticSearch", "check_min_nodes"]
 
 _UNSCHEDULED_PENALTY = 10.0
+
+
+def check_min_nodes(min_nodes: int) -> None:
+    """Raise ``ValueError`` unless ``min_nodes`` (the node floor of a multi-node job) is an
+    integer >= 2."""
+    if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 2:
+        raise ValueError(
+            f"min_nodes={min_nodes!r} must be an integer >= 2 (2: a multi-node job packed on "
+            "as few nodes as hold it)"
+        )
 
 
 class WeightedGeneticSearch(PolluxPolicy):
@@ -82,8 +92,7 @@ class WeightedGeneticSearch(PolluxPolicy):
         patience: int | None = None,
         min_nodes: int = 2,
     ) -> None:
-        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 2:
-            raise ValueError(f"min_nodes={min_nodes!r} must be an integer >= 2")
+        check_min_nodes(min_nodes)
         self.min_nodes = min_nodes
         super().__init__(
             pop_size=pop_size, generations=generations, restart_delay=restart_delay, seed=seed
@@ -110,16 +119,16 @@ class WeightedGeneticSearch(PolluxPolicy):
         """Speedups over one GPU (not rebased to a fair share), clipped at 0, on the cells of
         :meth:`_table_cells`; 0 elsewhere and where ``r`` exceeds the job's maximum."""
         n_grid, r_grid = self._grid()
-        valid = self._cells
+        # placements on 2 .. min_nodes - 1 nodes (at most the cluster's) are worth nothing:
+        # those cells are left at 0, not computed
+        floor = min(self.min_nodes, int(np.count_nonzero(self._cap > 0)))
+        valid = self._cells & ~((n_grid >= 2) & (n_grid < floor))
         table = np.zeros((len(jobs), *valid.shape))
         for j, job in enumerate(jobs):
             ok = valid & (r_grid <= job.max_replicas)
             fn = job.speedup_fn
             vals = r_grid[ok] if fn is None else fn(n_grid[ok], r_grid[ok])
             table[j][ok] = np.maximum(np.asarray(vals, dtype=np.float64), 0.0)
-        # placements on 2 .. min_nodes - 1 nodes (at most the cluster's) are worth nothing
-        floor = min(self.min_nodes, int(np.count_nonzero(self._cap > 0)))
-        table[:, 2:floor, :] = 0.0
         return table
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:

@@ -309,7 +309,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._arrivals import DEFAULT_MIN_SPAN, ArrivalRate
-from ._plan import WeightedGeneticSearch
+from ._plan import WeightedGeneticSearch, check_min_nodes
 from ._profiles import ApplicationProfiles
 from .policy_base import Allocation, JobInfo, NodeInfo
 from .speedup import ExploringSpeedup, LinearSpeedup, PowerSpeedup, RampSpeedup
@@ -405,11 +405,7 @@ class WaterfillPolicy:
             )
         if not 0.0 <= first_beta <= 1.0:
             raise ValueError(f"first_beta={first_beta} must lie in [0, 1]")
-        if isinstance(min_nodes, bool) or not isinstance(min_nodes, int) or min_nodes < 2:
-            raise ValueError(
-                f"min_nodes={min_nodes!r} must be an integer >= 2 (2: a multi-node job packed on "
-                "as few nodes as hold it)"
-            )
+        check_min_nodes(min_nodes)
         if explore_growth is not None and not explore_growth >= 1.0:
             raise ValueError(
                 f"explore_growth={explore_growth} must be >= 1, or None (the allocator's cap)"
@@ -985,8 +981,8 @@ class WaterfillPolicy:
         )
         if sum(free[n] for n in cand) < r:
             return None
-        spread = max(math.ceil(r / g), min(min_nodes, len(free)))
-        if min_nodes > 2 and spread > math.ceil(r / g) and r >= spread and len(cand) >= spread:
+        packed, spread = math.ceil(r / g), min(min_nodes, len(free))
+        if min_nodes > 2 and packed < spread and r >= spread and len(cand) >= spread:
             # the `spread` emptiest nodes, least free first: each takes its even share of
             # what is left, or all it has, and the emptier ones make up the rest
             chosen = sorted(cand[:spread], key=lambda n: (free[n], n))
@@ -1003,6 +999,6 @@ class WaterfillPolicy:
             alloc.extend([n] * take)
             if len(alloc) == r:
                 break
-        if len(set(alloc)) > math.ceil(r / g) + 1:
+        if len(set(alloc)) > packed + 1:
             return None  # too fragmented; try a smaller size
         return sorted(alloc)
