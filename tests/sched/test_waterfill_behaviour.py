@@ -241,11 +241,13 @@ def test_genetic_state_roundtrip_replays_identically():
         sparse_payback=None,
         sparse_work=None,
         share_profiles=False,
+        calibrate=False,
     )
     assert local.state_dict() == {}
     assert WaterfillPolicy(search="local").state_dict() == {
         "arrivals": {"keys": [], "times": []},
         "profiles": {"apps": {}, "configs": {}},
+        "calibration": {"apps": {}, "versions": {}},
     }
 
 

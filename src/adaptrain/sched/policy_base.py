@@ -49,6 +49,11 @@ class JobInfo:
     (``None``: unknown): jobs of one application have the same throughput, so a policy may
     share what one has measured with the others (``WaterfillPolicy(share_profiles=True)``).
     ``epoch`` is the job's current epoch (``None``: unknown).
+    ``profile`` holds the step times the job has measured, as AdaptDL's job keeps them:
+    ``(num_nodes, num_replicas, atomic_bsz) -> (step_time, sync_time)`` in seconds, an
+    optimizer step and its all-reduce (``None``: not reported). A policy may correct its
+    goodput model where the model and the measurements disagree
+    (``WaterfillPolicy(calibrate=True)``).
     """
 
     creation_timestamp: float
@@ -67,6 +72,7 @@ class JobInfo:
     application: str | None = None
     epoch: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    profile: Mapping[tuple[int, int, int], tuple[float, float]] | None = None
 
     def __post_init__(self) -> None:
         if self.max_replicas < 1:

@@ -47,6 +47,7 @@ import logging
 import math
 import sys
 import time as _time
+import types
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -602,6 +603,7 @@ class Simulator:
             age=now - job.submission_time,
             application=job.app.name,
             epoch=job.epoch,
+            profile=types.MappingProxyType(job.profile),
         )
 
     @staticmethod

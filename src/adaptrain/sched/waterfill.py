@@ -309,6 +309,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._arrivals import DEFAULT_MIN_SPAN, ArrivalRate
+from ._calibration import ThroughputCalibration
 from ._plan import WeightedGeneticSearch, check_min_nodes
 from ._profiles import ApplicationProfiles
 from .policy_base import Allocation, JobInfo, NodeInfo
@@ -388,6 +389,7 @@ class WaterfillPolicy:
         sparse_payback: float | None = 4.5,
         sparse_work: bool | None = False,
         min_nodes: int = 2,
+        calibrate: bool = True,
     ) -> None:
         if first_replicas is not None and first_replicas < 1:
             raise ValueError(
@@ -491,6 +493,8 @@ class WaterfillPolicy:
             ApplicationProfiles(work_prior=share_work, pool=pool_fits) if share_profiles else None
         )
         self.min_nodes = min_nodes
+        self.calibrate = calibrate
+        self._calibration = ThroughputCalibration() if calibrate else None
         self._runs: list[WeightedGeneticSearch] = []
         if search == "genetic":
             self._runs = [
@@ -542,7 +546,8 @@ class WaterfillPolicy:
         one run's state dict's keys, or ``"runs": [...]`` with ``genetic_runs > 1``; and
         ``"arrivals"``, the jobs seen for the arrival rate (with ``sparse_theta``,
         ``sparse_payback`` or ``sparse_work``); and ``"profiles"``, the applications' shared
-        throughput fits (with ``share_profiles``)."""
+        throughput fits (with ``share_profiles``); and ``"calibration"``, the applications'
+        measured step times (with ``calibrate``)."""
         out: dict = {}
         if len(self._runs) == 1:
             out.update(self._runs[0].state_dict())
@@ -552,6 +557,8 @@ class WaterfillPolicy:
             out["arrivals"] = self._arrivals.state_dict()
         if self._profiles is not None:
             out["profiles"] = self._profiles.state_dict()
+        if self._calibration is not None:
+            out["calibration"] = self._calibration.state_dict()
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -562,6 +569,9 @@ class WaterfillPolicy:
         profiles = state.pop("profiles", None)
         if profiles is not None and self._profiles is not None:
             self._profiles.load_state_dict(profiles)
+        calibration = state.pop("calibration", None)
+        if calibration is not None and self._calibration is not None:
+            self._calibration.load_state_dict(calibration)
         if not self._runs or not state:
             return
         runs = state["runs"] if "runs" in state else [state]
@@ -782,6 +792,9 @@ class WaterfillPolicy:
         if self._profiles is not None:  # throughput fits shared within applications
             self._profiles.observe(jobs, base_allocations)
             jobs = {k: self._profiles.share(job, prior) for k, job in jobs.items()}
+        if self._calibration is not None:  # models corrected where measured
+            self._calibration.observe(jobs)
+            jobs = {k: self._calibration.calibrate(job) for k, job in jobs.items()}
         grow = self._grow_costs(jobs, base_allocations)
         jobs = self._explore(self._widen(jobs))
         keys = sorted(jobs, key=lambda k: (jobs[k].attained_service, jobs[k].creation_timestamp))
