@@ -180,12 +180,12 @@ def test_state_dict_round_trip_then_replay_gives_the_same_calibration():
         copy.load_state_dict({"apps": {"yolo": {"a": [1.0, 2.0, 32.0]}}, "versions": {"yolo": 1}})
 
 
-def _two_node_trap(calibrate: bool) -> int:
+def _two_node_trap(calibrate: bool, sizes=range(5, 9)) -> int:
     """Replicas a policy gives one job on 2 nodes x 4 GPUs when its model scales past one node
-    but the job measured every size on two nodes 3x slower than the model (and 4 GPUs on one
+    but the job measured ``sizes`` on two nodes 3x slower than the model (and 4 GPUs on one
     node as modelled)."""
     prof = {(1, 4, 64): (_step(1, 4, 64), 0.0)}
-    for r in range(5, 9):
+    for r in sizes:
         prof[(2, r, 32)] = (3.0 * _step(2, r, 32), 0.0)
     job = _job(prof, limit=8, r0=8, num_restarts=1, age=3600.0)
     nodes = {0: NodeInfo(4), 1: NodeInfo(4)}
@@ -199,6 +199,11 @@ def test_the_policy_keeps_a_job_off_a_configuration_measured_slow():
     assert _fn()(2, 8) > _fn()(1, 4)  # the model alone prefers 8 GPUs on two nodes
     assert _two_node_trap(calibrate=False) == 8
     assert _two_node_trap(calibrate=True) == 4
+
+
+def test_an_unmeasured_neighbour_keeps_the_model_s_value():
+    # measured slow on 8 GPUs over two nodes only: 7 there is still valued as the model says
+    assert _two_node_trap(calibrate=True, sizes=[8]) == 7
 
 
 def test_policy_state_dict_holds_the_calibration():

@@ -12,7 +12,8 @@ sub-linear speedups):
     s.t.      sum_j r_j <= GPUs,  min_j <= r_j <= max_j,
 
 where ``s_j(r)`` is the job's goodput speedup on ``r`` replicas packed on
-``ceil(r / gpus_per_node)`` nodes (from its own goodput model), ``R_j`` the job's estimate of
+``ceil(r / gpus_per_node)`` nodes (from its own goodput model, calibrated where its
+application has measured: "Calibration" below), ``R_j`` the job's estimate of
 its remaining seconds on one GPU (``JobInfo.remaining_work``: remaining epochs' statistical
 progress over its modelled one-GPU goodput; jobs without a model get weight 1), ``f_j`` its
 max-min fair share of the GPUs and ``gamma`` = ``future_gamma`` (the speed to come, below),
@@ -297,6 +298,28 @@ over seeds 0-2 other files move by up to two points either way (workload-6 at lo
 workload-5 at load 1.0 +1.1). An option, not the default: no gain on the target file, and the
 rule fits that cluster's measurements; where GPUs within a node talk faster than across nodes
 (NVLink), packing is the better rule.
+
+Calibration (``calibrate``, default ``True``): the goodput model's throughput part prices an
+all-reduce by two regimes, within a node or across nodes, and by the replica count; it cannot
+tell two nodes from four, and a fit to measurements from both is wrong at both. Each round the
+policy pools the step times the jobs of an application have measured
+(``JobInfo.profile``: ``(nodes, replicas, atomic_bsz) -> (step_time, sync_time)``, the latest
+16 jobs to report a change) and scales the throughput of each job's model, at every
+``(nodes, replicas)`` measured, by the measured over the modelled samples per second there
+(geometric means over batch sizes and jobs); configurations nobody has run on keep the model
+(:class:`~adaptrain.sched._calibration.ThroughputCalibration`). The remaining-work estimate
+follows the calibrated one-GPU goodput. Why: replayed with the simulator's true step times in
+place of the models (a scratch oracle), workload-3 at load 1.0 read 0.883 / 0.873 / 0.885 x
+stored Pollux under seeds 0-2 against the default's 0.915 / 0.904 / 0.910, nearly all of it
+from multi-node configurations (true one-node times alone: 0.912 on seed 0; true two-node times
+alone 0.902). Calibrating where measured recovers most of that, on an Intel host with
+``AVX512_SPR``: workload-3 at load 1.0 0.9081 -> **0.8971** over twenty seeds (better under 18),
+workload-3 / workload-6 at load 0.5 0.8998 / 0.8964 -> 0.8898 / 0.8919 over ten; over seeds
+0-2 the 16 files' mean 0.8704 -> 0.8643, better on 12, four at loads 1.5-2.0 worse by 0.5-1.3
+points (all at most 0.868); at about 1.2x the policy's time per round
+(``benchmarks/results/sched.md``, session 65). Extending a node count's mean factor to its
+unmeasured replica counts read worse (0.909 on seed 0, a scratch run). Jobs without an
+``application`` or a profile are valued by their models as before; ``False`` turns it off.
 """
 
 from __future__ import annotations
