@@ -96,6 +96,8 @@ def test_factors_are_measured_over_modelled_throughput_geometric_means_over_batc
     assert f[(1, 4)] == pytest.approx(math.sqrt(1.5))
     assert cal.factors("bert", PERF) == {(1, 4): pytest.approx(1.0)}
     assert cal.factors("unseen", PERF) == {}
+    f.clear()  # the caller's copy: the cached factors stay
+    assert cal.factors("yolo", PERF)[(2, 8)] == pytest.approx(0.25)
 
 
 def test_calibrate_corrects_the_speedup_where_measured_and_rescales_the_remaining_work():

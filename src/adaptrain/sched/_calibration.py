@@ -164,7 +164,7 @@ class ThroughputCalibration:
         hit = self._factor_cache.get(key)
         if hit is not None:
             self._factor_cache.move_to_end(key)
-            return hit
+            return dict(hit)
         logs: dict[Key, list[float]] = {}
         for measured in app.values():
             for k, step in measured.items():
@@ -182,7 +182,7 @@ class ThroughputCalibration:
         self._factor_cache[key] = out
         while len(self._factor_cache) > self.cache_size:
             self._factor_cache.popitem(last=False)
-        return out
+        return dict(out)  # a copy: the cached one stays as computed
 
     def calibrate(self, job: JobInfo) -> JobInfo:
         """``job`` with its speedup calibrated at its application's measured configurations
