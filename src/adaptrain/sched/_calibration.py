@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -99,6 +100,16 @@ class CalibratedGoodput(GoodputFunction):
         )
 
 
+@functools.lru_cache(maxsize=256)  # each holds a (nodes x replicas) memo table once filled
+def _calibrated_speedup(
+    perf: tuple, grad: tuple, init_batch_size: float, factors: tuple, limits: tuple
+) -> SpeedupFunction:
+    """The speedup of a goodput model with ``factors`` (sorted ``((n, r), f)`` pairs) and the
+    batch ``limits`` (sorted items of :meth:`SpeedupFunction.limits`); pure, so memoised."""
+    model = CalibratedGoodput(perf, grad, init_batch_size, dict(factors))
+    return SpeedupFunction(model, **dict(limits))
+
+
 class ThroughputCalibration:
     """Per application, the step times its jobs have measured, and goodput models calibrated
     by them (module docstring).
@@ -106,7 +117,7 @@ class ThroughputCalibration:
     :meth:`observe` takes each job's :attr:`~adaptrain.sched.policy_base.JobInfo.profile`
     (jobs without an ``application`` are skipped) and keeps those of the ``max_jobs`` jobs of
     each application that reported a change most recently; :meth:`calibrate` returns a job
-    whose speedup is calibrated. ``cache_size`` bounds the calibrated speedup functions kept.
+    whose speedup is calibrated. ``cache_size`` bounds the factor sets kept.
     """
 
     def __init__(self, max_jobs: int = 16, cache_size: int = 256) -> None:
@@ -120,7 +131,6 @@ class ThroughputCalibration:
         self._apps: dict[str, collections.OrderedDict[str, dict[Key, float]]] = {}
         self._version: dict[str, int] = {}
         self._factor_cache: collections.OrderedDict = collections.OrderedDict()
-        self._fns: collections.OrderedDict = collections.OrderedDict()
 
     def observe(self, jobs: Mapping[str, JobInfo]) -> None:
         """Take in the jobs' measured step times (in job-name order).
@@ -195,25 +205,13 @@ class ThroughputCalibration:
         factors = self.factors(job.application, g.perf_params)
         if not factors or fn.base_goodput != float(fn.goodput(1, 1)):
             return job  # nothing measured, or a rebased speedup: left as it is
-        lim = fn.limits()
-        key = (
-            job.application,
-            tuple(sorted(factors.items())),
+        new = _calibrated_speedup(
             tuple(g.perf_params),
             tuple(g.grad_params),
             float(g.init_batch_size),
-            tuple(sorted((k, v) for k, v in lim.items() if k != "atomic_bsz_range")),
-            lim["atomic_bsz_range"],
+            tuple(sorted(factors.items())),
+            tuple(sorted(fn.limits().items())),
         )
-        new = self._fns.get(key)
-        if new is None:
-            model = CalibratedGoodput(g.perf_params, g.grad_params, g.init_batch_size, factors)
-            new = SpeedupFunction(model, **lim)
-            self._fns[key] = new
-            while len(self._fns) > self.cache_size:
-                self._fns.popitem(last=False)
-        else:
-            self._fns.move_to_end(key)
         rem = job.remaining_work
         if rem is not None:  # the same progress at the calibrated one-GPU rate
             rem = rem * fn.base_goodput / new.base_goodput
@@ -255,4 +253,3 @@ class ThroughputCalibration:
         self._apps = apps
         self._version = versions
         self._factor_cache.clear()
-        self._fns.clear()
