@@ -102,8 +102,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from adaptrain.cli.simulate import POLICIES, make_policy  # noqa: E402
 from adaptrain.sched import PolluxPolicy, WaterfillPolicy, _kernels  # noqa: E402
-from adaptrain.sched.simulator import Simulator  # noqa: E402
-from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
+from adaptrain.sim.simulator import Simulator  # noqa: E402
+from adaptrain.sim.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
 
 VARIANTS = {
     "waterfill-noexplore": lambda seed: WaterfillPolicy(explore_beta=None, seed=seed),

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from adaptrain.sched import WaterfillPolicy  # noqa: E402
 from adaptrain.sched._arrivals import ArrivalRate  # noqa: E402
-from adaptrain.sched.traces import default_traces_dir, load_workload  # noqa: E402
+from adaptrain.sim.traces import default_traces_dir, load_workload  # noqa: E402
 
 GPUS = 64
 

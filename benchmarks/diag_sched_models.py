@@ -62,9 +62,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
 from adaptrain.core.goodput import GoodputFunction, fit_perf_params  # noqa: E402
 from adaptrain.sched import WaterfillPolicy  # noqa: E402
-from adaptrain.sched.simulator import SimJob, Simulator  # noqa: E402
 from adaptrain.sched.speedup import SpeedupFunction  # noqa: E402
-from adaptrain.sched.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
+from adaptrain.sim.simulator import SimJob, Simulator  # noqa: E402
+from adaptrain.sim.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
 
 
 class FullModelSimulator(Simulator):

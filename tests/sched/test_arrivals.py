@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from adaptrain.sched import (
-    JobInfo,
-    NodeInfo,
-    PolluxPolicy,
-    Simulator,
-    TiresiasPolicy,
-    WaterfillPolicy,
-    WorkloadJob,
-    load_applications,
-)
+from adaptrain.sched import JobInfo, NodeInfo, PolluxPolicy, TiresiasPolicy, WaterfillPolicy
+from adaptrain.sim import Simulator, WorkloadJob, load_applications
 
 
 class _FirstFitTiresias(TiresiasPolicy):

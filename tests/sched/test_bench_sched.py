@@ -288,7 +288,7 @@ def test_diag_models_restart_free_modes(tmp_path, tiny_app_writer, tiny_traces):
     spec = importlib.util.spec_from_file_location("diag_sched_models", DIAG)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    from adaptrain.sched.traces import load_applications
+    from adaptrain.sim.traces import load_applications
 
     app = load_applications(tiny_traces)["toy"]
     job = mod.SimJob("toy-0", app, 0.0, adaptive=True, restart_delay=30.0)
@@ -323,7 +323,7 @@ def test_diag_models_free_restart_kinds(tmp_path, tiny_app_writer, tiny_traces):
     spec = importlib.util.spec_from_file_location("diag_sched_models", DIAG)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    from adaptrain.sched.traces import load_applications
+    from adaptrain.sim.traces import load_applications
 
     assert [mod.restart_kind(4, n, 4) for n in (2, 0, 4, 8)] == [
         "shrink", "shrink", "move", "explore"

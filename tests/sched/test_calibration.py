@@ -10,18 +10,11 @@ import numpy as np
 import pytest
 
 from adaptrain.core.goodput import GoodputFunction, predict_step_times
-from adaptrain.sched import (
-    JobInfo,
-    LinearSpeedup,
-    NodeInfo,
-    Simulator,
-    WaterfillPolicy,
-    WorkloadJob,
-    check_allocations,
-)
+from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
 from adaptrain.sched._calibration import CalibratedGoodput, ThroughputCalibration
 from adaptrain.sched.speedup import SpeedupFunction
-from adaptrain.sched.traces import load_applications
+from adaptrain.sim import Simulator, WorkloadJob
+from adaptrain.sim.traces import load_applications
 
 # cheap synchronisation: the model scales well across nodes
 PERF = (0.02, 0.001, 0.05, 0.002, 0.01, 0.0005, 1.5)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from adaptrain.cli._main import main
-from adaptrain.sched.traces import Application, load_applications
+from adaptrain.sim.traces import Application, load_applications
 
 
 def _workload(tmp_path, rows):

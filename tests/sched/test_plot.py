@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from adaptrain.sched.simulator import SimResult
+from adaptrain.sim.simulator import SimResult
 
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-from adaptrain.sched.plot import cdf_points, make_figure  # noqa: E402
+from adaptrain.sim.plot import cdf_points, make_figure  # noqa: E402
 
 
 def _result(jcts, timeline=()):

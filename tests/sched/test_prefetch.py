@@ -7,25 +7,14 @@ import os
 
 import pytest
 
-from adaptrain.sched import (
-    SimJob,
-    Simulator,
-    WaterfillPolicy,
-    WorkloadJob,
-    load_applications,
-    load_workload,
-)
-from adaptrain.sched import simulator as sim_mod
-from adaptrain.sched._prefetch import FitPrefetcher
-
-
-def _clear_memos() -> None:
-    for memo in (sim_mod._FIT_CACHE, sim_mod._BSZ_CACHE, sim_mod._SPEEDUP_CACHE):
-        memo.clear()
+from adaptrain.sched import WaterfillPolicy
+from adaptrain.sim import SimJob, Simulator, WorkloadJob, load_applications, load_workload
+from adaptrain.sim.fitworkers import FitPrefetcher
+from adaptrain.sim.job import GoodputMemos
 
 
 def _job_state(job: SimJob) -> dict:
-    state = {k: v for k, v in vars(job).items() if k != "app"}
+    state = job.state_dict()
     state["perf_params"] = None if job.perf_params is None else tuple(job.perf_params)
     return state
 
@@ -38,9 +27,9 @@ def test_fits_computed_ahead_change_nothing(real_data):
     work = load_workload(os.path.join(real_data, "workloads", "workload-6.csv"))[:12]
 
     def run(workers: int) -> tuple[Simulator, object]:
-        _clear_memos()
         policy = WaterfillPolicy(search="local")
-        sim = Simulator(work, apps, policy, num_nodes=4, fit_workers=workers)
+        memos = GoodputMemos()  # empty: the workers' fits are the ones the jobs use
+        sim = Simulator(work, apps, policy, num_nodes=4, fit_workers=workers, memos=memos)
         return sim, sim.run(max_time=2 * 3600)
 
     ref_sim, ref = run(0)
@@ -63,7 +52,7 @@ def test_a_failing_worker_stops_prefetching_and_every_job_still_steps(tiny_trace
     for job in jobs:
         job.reallocate([1])
     # the worker knows no application: its task fails
-    with FitPrefetcher({}, workers=1) as prefetch, caplog.at_level(logging.WARNING):
+    with FitPrefetcher({}, GoodputMemos(), workers=1) as prefetch, caplog.at_level(logging.WARNING):
         prefetch.submit(jobs[:2], 60.0, lambda j: 0.0)
         prefetch._receive(block=True)  # a worker ran a task (else the caller claims both)
         order = [j.name for j in prefetch.order(jobs)]
@@ -74,11 +63,11 @@ def test_a_failing_worker_stops_prefetching_and_every_job_still_steps(tiny_trace
 
 def test_discarded_and_claimed_tasks_are_not_taken(tiny_traces):
     apps = load_applications(tiny_traces)
-    jobs = [SimJob(name, apps["toy"], 0.0, adaptive=True) for name in "abcd"]
+    memos = GoodputMemos()
+    jobs = [SimJob(name, apps["toy"], 0.0, adaptive=True, memos=memos) for name in "abcd"]
     for job in jobs:
         job.reallocate([1])
-    _clear_memos()
-    with FitPrefetcher(apps, workers=1) as prefetch:
+    with FitPrefetcher(apps, memos, workers=1) as prefetch:
         prefetch.submit(jobs, 60.0, lambda j: 0.0)
         prefetch.discard(["b"])
         stepped = []
@@ -102,7 +91,7 @@ def test_bad_fit_workers_are_rejected(tiny_traces, workers):
 
 def test_workers_that_cannot_start_leave_a_serial_run(tiny_traces, monkeypatch, caplog):
     # e.g. inside a daemonic process, which may not have children: a warning, the same run
-    import adaptrain.sched._prefetch as prefetch_mod
+    import adaptrain.sim.simulator as prefetch_mod
 
     class Refused:
         def __init__(self, *args, **kwargs):
@@ -132,8 +121,8 @@ def test_workers_that_cannot_start_leave_a_serial_run(tiny_traces, monkeypatch, 
 _START_SCRIPT = """
 import multiprocessing, signal, sys
 from multiprocessing import util
-from adaptrain.sched import load_applications
-from adaptrain.sched._prefetch import FitPrefetcher
+from adaptrain.sim import GoodputMemos, load_applications
+from adaptrain.sim.fitworkers import FitPrefetcher
 
 spawn = util.spawnv_passfds
 
@@ -148,7 +137,7 @@ if __name__ == "__main__":
     apps = load_applications(sys.argv[1])
     util.spawnv_passfds = spawn_then_interrupt
     try:
-        FitPrefetcher(apps, 1)
+        FitPrefetcher(apps, GoodputMemos(), 1)
         print("not interrupted")
     except KeyboardInterrupt:
         print("interrupted;", len(multiprocessing.active_children()), "children")
@@ -178,7 +167,7 @@ def test_a_ctrl_c_while_the_workers_stop_still_stops_them(tiny_traces, monkeypat
     import multiprocessing
     import signal
 
-    prefetcher = FitPrefetcher(load_applications(tiny_traces), 1)
+    prefetcher = FitPrefetcher(load_applications(tiny_traces), GoodputMemos(), 1)
     procs = list(prefetcher._procs)
     join = multiprocessing.process.BaseProcess.join
     raised = []
@@ -201,7 +190,7 @@ def test_a_ctrl_c_while_the_workers_stop_still_stops_them(tiny_traces, monkeypat
 def test_close_ends_the_workers_even_with_the_claims_lock_left_held(tiny_traces):
     # A KeyboardInterrupt that lands just as the caller takes the lock (inside `with`, before
     # its block) leaves it held: close() waited for it for ever (a hang after a Ctrl-C).
-    prefetcher = FitPrefetcher(load_applications(tiny_traces), 1)
+    prefetcher = FitPrefetcher(load_applications(tiny_traces), GoodputMemos(), 1)
     procs = list(prefetcher._procs)
     assert prefetcher._lock.acquire(timeout=5)  # held, and never released
     prefetcher.close()
@@ -212,7 +201,7 @@ def test_close_ends_the_workers_even_with_the_claims_lock_left_held(tiny_traces)
 def test_sigint_held_delivers_one_at_the_end_and_a_second_at_once(sigint_raises):
     import signal
 
-    from adaptrain.sched._prefetch import _sigint_held
+    from adaptrain.sim.fitworkers import _sigint_held
 
     before = signal.getsignal(signal.SIGINT)
     steps = []

@@ -14,21 +14,17 @@ from test_policies import cluster_and_jobs
 from adaptrain.cli._main import main
 from adaptrain.core.goodput import GoodputFunction, GradParams, PerfParams
 from adaptrain.sched import (
-    Application,
     JobInfo,
     LinearSpeedup,
     NodeInfo,
     OptimusPolicy,
     PolluxPolicy,
-    Simulator,
     SpeedupFunction,
     TiresiasPolicy,
     WaterfillPolicy,
-    WorkloadJob,
     check_allocations,
-    load_applications,
-    load_workload,
 )
+from adaptrain.sim import Application, Simulator, WorkloadJob, load_applications, load_workload
 
 
 def _policy(kind: str, seed: int = 0):

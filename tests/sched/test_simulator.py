@@ -8,18 +8,15 @@ import os
 
 import pytest
 
-from adaptrain.sched import (
-    OptimusPolicy,
-    PolluxPolicy,
+from adaptrain.sched import OptimusPolicy, PolluxPolicy, TiresiasPolicy, WaterfillPolicy
+from adaptrain.sim import (
     SimulationStalled,
     Simulator,
-    TiresiasPolicy,
-    WaterfillPolicy,
     WorkloadJob,
     load_applications,
     load_workload,
 )
-from adaptrain.sched.simulator import _placement
+from adaptrain.sim.simulator import _placement
 
 
 def test_placement_runs():
@@ -105,7 +102,7 @@ def test_fixed_job_larger_than_cluster_is_capped_and_the_run_ends(tiny_traces, c
     # the round ending at 240 and finishes at 240 + 30 + 120 = 390 s.
     apps = load_applications(tiny_traces)
     w = [WorkloadJob("big", 0.0, "toy", 8, 16), WorkloadJob("small", 0.0, "toy", 1, 8)]
-    with caplog.at_level(logging.WARNING, logger="adaptrain.sched.simulator"):
+    with caplog.at_level(logging.WARNING, logger="adaptrain.sim.simulator"):
         sim = Simulator(w, apps, TiresiasPolicy(), num_nodes=1, gpus_per_node=4)
     assert "big (8 -> 4)" in caplog.text
     assert [j.target_num_replicas for j in sim.jobs] == [4, 1]
@@ -267,26 +264,24 @@ def test_model_memos_shared_across_jobs_and_simulations_change_nothing(real_data
     # kept across simulations (pure functions of the model, its batch limits and the table's
     # size). A run gives the same JCTs and restarts with the memos empty and after another
     # simulation, on another cluster, filled them.
-    from adaptrain.sched import simulator as sim_mod
+    from adaptrain.sim import GoodputMemos
 
     apps = load_applications(os.path.join(real_data, "traces"))
     w = load_workload(os.path.join(real_data, "workloads", "workload-6.csv"))[:16]
 
-    def run(workload, num_nodes):
+    def run(workload, num_nodes, memos):
         policy = WaterfillPolicy(search="local")
-        return Simulator(workload, apps, policy, num_nodes=num_nodes).run(max_time=5400)
+        sim = Simulator(workload, apps, policy, num_nodes=num_nodes, memos=memos)
+        return sim.run(max_time=5400)
 
-    memos = (sim_mod._BSZ_CACHE, sim_mod._SPEEDUP_CACHE)
-    for memo in memos:
-        memo.clear()
-    first = run(w, 4)
-    used = [set(memo) for memo in memos]
-    for memo in memos:
-        memo.clear()
-    run(w[::2], 2)
+    first_memos = GoodputMemos()
+    first = run(w, 4, first_memos)
+    used = [set(m.keys()) for m in (first_memos.batch_sizes, first_memos.speedups)]
+    memos = GoodputMemos()
+    run(w[::2], 2, memos)
     # entries the replay looks up (as the first run did) and finds filled by the other run
-    shared = [used[i] & set(memo) for i, memo in enumerate(memos)]
+    shared = [used[i] & set(m.keys()) for i, m in enumerate((memos.batch_sizes, memos.speedups))]
     assert all(shared), [len(s) for s in shared]
-    again = run(w, 4)
+    again = run(w, 4, memos)
     assert again.jcts == first.jcts and again.restarts == first.restarts
     assert len(first.jcts) >= 4

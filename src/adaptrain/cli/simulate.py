@@ -84,7 +84,7 @@ def _json_safe(value):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from adaptrain.sched.traces import default_traces_dir
+    from adaptrain.sim.traces import default_traces_dir
 
     default = default_traces_dir()
     parser.add_argument("workload", metavar="WORKLOAD.csv", help="workload file (artifact format)")
@@ -182,8 +182,8 @@ def _interrupted(where: _Where) -> str:
 
 
 def _run(args: argparse.Namespace, where: _Where) -> int:
-    from adaptrain.sched.simulator import SimulationStalled, Simulator
-    from adaptrain.sched.traces import load_applications, load_workload
+    from adaptrain.sim.simulator import SimulationStalled, Simulator
+    from adaptrain.sim.traces import load_applications, load_workload
 
     names = args.policy or ["waterfill"]
     try:
@@ -251,7 +251,7 @@ def _run(args: argparse.Namespace, where: _Where) -> int:
                 f"placed on arrival {s['arrivals_placed']}/{s['num_jobs']}"
             )
     if args.plot:
-        from adaptrain.sched.plot import plot_results
+        from adaptrain.sim.plot import plot_results
 
         where.plotting = args.plot
         try:

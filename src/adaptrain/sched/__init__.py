@@ -1,5 +1,11 @@
-"""Cluster scheduling: Pollux policy, Tiresias/Optimus baselines, our policy, and a simulator."""
+"""The scheduling policies and their types: pure functions of the jobs' reported state.
 
+No I/O, no processes, no torch: the simulator (:mod:`adaptrain.sim`) and a service call the
+same policies, building what they see with :func:`job_info`.
+"""
+
+from .jobs import JobReport, job_info
+from .memo import Memo, memoized
 from .optimus import OptimusPolicy
 from .policy_base import (
     Allocation,
@@ -10,7 +16,6 @@ from .policy_base import (
     replica_bound,
 )
 from .pollux import PolluxPolicy
-from .simulator import SimJob, SimResult, SimulationStalled, Simulator
 from .speedup import (
     ExploringSpeedup,
     LinearSpeedup,
@@ -19,14 +24,14 @@ from .speedup import (
     SpeedupFunction,
 )
 from .tiresias import TiresiasPolicy
-from .traces import Application, WorkloadJob, load_applications, load_workload
 from .waterfill import WaterfillPolicy
 
 __all__ = [
     "Allocation",
-    "Application",
     "ExploringSpeedup",
     "JobInfo",
+    "JobReport",
+    "Memo",
     "LinearSpeedup",
     "NodeInfo",
     "OptimusPolicy",
@@ -34,16 +39,11 @@ __all__ = [
     "PolluxPolicy",
     "PowerSpeedup",
     "RampSpeedup",
-    "SimJob",
-    "SimResult",
-    "SimulationStalled",
-    "Simulator",
     "SpeedupFunction",
     "TiresiasPolicy",
     "WaterfillPolicy",
-    "WorkloadJob",
     "check_allocations",
-    "load_applications",
-    "load_workload",
+    "job_info",
+    "memoized",
     "replica_bound",
 ]

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -40,6 +39,7 @@ import numpy as np
 
 from adaptrain.core.goodput import GoodputFunction, predict_step_times
 
+from .memo import Memo, memoized
 from .policy_base import JobInfo
 from .speedup import SpeedupFunction
 
@@ -100,7 +100,7 @@ class CalibratedGoodput(GoodputFunction):
         )
 
 
-@functools.lru_cache(maxsize=256)  # each holds a (nodes x replicas) memo table once filled
+@memoized(maxsize=256)  # each holds a (nodes x replicas) memo table once filled
 def _calibrated_speedup(
     perf: tuple, grad: tuple, init_batch_size: float, factors: tuple, limits: tuple
 ) -> SpeedupFunction:
@@ -130,7 +130,7 @@ class ThroughputCalibration:
         # application -> job -> {(nodes, replicas, atomic_bsz): step seconds}, latest last
         self._apps: dict[str, collections.OrderedDict[str, dict[Key, float]]] = {}
         self._version: dict[str, int] = {}
-        self._factor_cache: collections.OrderedDict = collections.OrderedDict()
+        self._factor_cache = Memo(cache_size)
 
     def observe(self, jobs: Mapping[str, JobInfo]) -> None:
         """Take in the jobs' measured step times (in job-name order).
@@ -173,7 +173,6 @@ class ThroughputCalibration:
         key = (application, self._version[application], perf)
         hit = self._factor_cache.get(key)
         if hit is not None:
-            self._factor_cache.move_to_end(key)
             return dict(hit)
         logs: dict[Key, list[float]] = {}
         for measured in app.values():
@@ -189,9 +188,7 @@ class ThroughputCalibration:
             by_config.setdefault((k[0], k[1]), []).append(float(v))
         out = {c: math.exp(sum(v) / len(v)) for c, v in by_config.items()}
         out = {c: f for c, f in out.items() if math.isfinite(f) and f > 0}
-        self._factor_cache[key] = out
-        while len(self._factor_cache) > self.cache_size:
-            self._factor_cache.popitem(last=False)
+        self._factor_cache.put(key, out)
         return dict(out)  # a copy: the cached one stays as computed
 
     def calibrate(self, job: JobInfo) -> JobInfo:

@@ -12,9 +12,9 @@ They do not draw random numbers and change no result of the searches.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
+
+from .memo import memoized
 
 __all__ = ["count_nodes", "cumsum_jobs", "cumsum_row", "rows_differ", "sum_jobs", "sum_nodes"]
 
@@ -24,7 +24,7 @@ __all__ = ["count_nodes", "cumsum_jobs", "cumsum_row", "rows_differ", "sum_jobs"
 _TRIANGLE_MAX = 16
 
 
-@functools.lru_cache(maxsize=64)
+@memoized(maxsize=64)
 def _lower_triangle(n: int) -> np.ndarray:
     """Ones on and below the diagonal, (n, n), read-only (shared between calls)."""
     out = np.tril(np.ones((n, n)))

@@ -37,7 +37,6 @@ job runs on a multi-GPU configuration new to it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
@@ -47,6 +46,7 @@ import numpy as np
 
 from adaptrain.core.goodput import GoodputFunction, fit_perf_params, predict_step_times
 
+from .memo import Memo
 from .policy_base import JobInfo
 from .speedup import LinearSpeedup, SpeedupFunction
 
@@ -76,7 +76,7 @@ class ApplicationProfiles:
         self._apps: dict[str, dict[str, Any]] = {}
         # (nodes, replicas) configurations each job has run on, from the allocations observed
         self._configs: dict[str, set[tuple[int, int]]] = {}
-        self._fns: collections.OrderedDict = collections.OrderedDict()
+        self._fns = Memo(self.cache_size)
 
     def observe(
         self,
@@ -197,16 +197,12 @@ class ApplicationProfiles:
     def _speedup(self, app: str, rec: dict[str, Any], grad: tuple) -> SpeedupFunction:
         perf = rec.get("pooled") or rec["perf"]
         key = (app, perf, grad, rec["init_batch_size"])
-        fn = self._fns.get(key)
-        if fn is None:
-            goodput = GoodputFunction(perf, grad, rec["init_batch_size"])
-            fn = SpeedupFunction(goodput, **rec["limits"])
-            self._fns[key] = fn
-            if len(self._fns) > self.cache_size:
-                self._fns.popitem(last=False)
-        else:
-            self._fns.move_to_end(key)
-        return fn
+        return self._fns.get_or_compute(
+            key,
+            lambda: SpeedupFunction(
+                GoodputFunction(perf, grad, rec["init_batch_size"]), **rec["limits"]
+            ),
+        )
 
     def state_dict(self) -> dict:
         """``"apps"``: per application its largest size, throughput fit, batch limits, work and

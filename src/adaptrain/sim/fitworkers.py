@@ -32,10 +32,9 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from itertools import islice
 from typing import Any
 
-from . import simulator as _sim
+from .job import GoodputMemos, SimJob
 from .traces import Application
 
 logger = logging.getLogger(__name__)
@@ -88,35 +87,18 @@ def _sigint_held() -> Iterator[list[int]]:
             signal.raise_signal(signal.SIGINT)
 
 
-def _newest(cache: dict, before: int) -> list[tuple[Any, Any]]:
-    """The entries added to ``cache`` since it held ``before``, oldest first (fewer if some
-    were evicted): read from the end, so the cost is the new entries', not the cache's."""
-    return list(islice(reversed(cache.items()), max(len(cache) - before, 0)))[::-1]
-
-
-def _put_missing(cache: dict, limit: int, entries: list[tuple[Any, Any]]) -> int:
-    """Put the ``entries`` that ``cache`` lacks (entries there are kept: both are the same
-    pure function of the key); how many were put."""
-    put = 0
-    for key, value in entries:
-        if key not in cache:
-            _sim._cache_put(cache, key, value, limit)
-            put += 1
-    return put
-
-
 def _speculate(
-    apps: Mapping[str, Application], state: bytes, seconds: float
+    apps: Mapping[str, Application], memos: GoodputMemos, state: bytes, seconds: float
 ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
-    """Step a job's copy ``seconds`` on its placement (``state``: its pickled ``(attributes,
-    interference)``); the fit and batch-size memo entries made, in the order made."""
-    fits, bszs = len(_sim._FIT_CACHE), len(_sim._BSZ_CACHE)
-    attributes, interference = pickle.loads(state)
-    job = _sim.SimJob.__new__(_sim.SimJob)
-    job.__dict__.update(attributes)
-    job.app = apps[attributes["app"]]
-    job.step(seconds, interference=interference)
-    return _newest(_sim._FIT_CACHE, fits), _newest(_sim._BSZ_CACHE, bszs)
+    """Step a job's copy ``seconds`` on its placement (``state``: its pickled ``(name,
+    submission time, state_dict, interference)``); the fit and batch-size memo entries made, in
+    the order made."""
+    name, submitted, job_state, interference = pickle.loads(state)
+    job = SimJob(name, apps[job_state["app"]], submitted, memos=memos)
+    job.load_state_dict(job_state)
+    with memos.fits.recording() as fits, memos.batch_sizes.recording() as bszs:
+        job.step(seconds, interference=interference)
+    return fits, bszs
 
 
 def _worker(tasks, results, claims, owners, lock, apps: dict[str, Application]) -> None:
@@ -124,6 +106,7 @@ def _worker(tasks, results, claims, owners, lock, apps: dict[str, Application]) 
     # Ctrl-C reaches the whole process group: the simulating process handles it and closes
     # its workers, which must not print a traceback of their own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    memos = GoodputMemos()
     while True:
         task = tasks.get()
         if task is _STOP:
@@ -136,17 +119,10 @@ def _worker(tasks, results, claims, owners, lock, apps: dict[str, Application]) 
             claims[slot] = _WORKER
         start = time.perf_counter()
         try:
-            out, error = _speculate(apps, state, seconds), None
+            out, error = _speculate(apps, memos, state, seconds), None
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which stops
             out, error = None, f"{type(exc).__name__}: {exc}"
         results.put((seq, out, error, time.perf_counter() - start))
-
-
-def _job_state(job: _sim.SimJob) -> dict:
-    """What a worker needs of ``job`` to step a copy: its attributes, the application by name."""
-    state = dict(job.__dict__)
-    state["app"] = job.app.name
-    return state
 
 
 class FitPrefetcher:
@@ -166,10 +142,13 @@ class FitPrefetcher:
     ``if __name__ == "__main__":``) and receive ``applications`` once.
     """
 
-    def __init__(self, applications: Mapping[str, Application], workers: int = 1) -> None:
+    def __init__(
+        self, applications: Mapping[str, Application], memos: GoodputMemos, workers: int = 1
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers={workers} must be >= 1 (0: do not create a prefetcher)")
         self.workers = workers
+        self.memos = memos
         self._seq = 0
         self._pending: dict[str, int] = {}  # job name -> its task
         self._done: dict[int, tuple] = {}  # results received for pending tasks
@@ -219,9 +198,9 @@ class FitPrefetcher:
 
     def submit(
         self,
-        jobs: Iterable[_sim.SimJob],
+        jobs: Iterable[SimJob],
         seconds: float,
-        interference: Callable[[_sim.SimJob], float],
+        interference: Callable[[SimJob], float],
         *,
         late: bool = False,
     ) -> None:
@@ -245,7 +224,10 @@ class FitPrefetcher:
             with self._lock:
                 self._owners[slot] = seq
                 self._claims[slot] = _FREE
-            state = pickle.dumps((_job_state(job), interference(job)), pickle.HIGHEST_PROTOCOL)
+            state = pickle.dumps(
+                (job.name, job.submission_time, job.state_dict(), interference(job)),
+                pickle.HIGHEST_PROTOCOL,
+            )
             self._tasks.put((seq, state, seconds))
             self._pending[job.name] = seq
 
@@ -267,7 +249,7 @@ class FitPrefetcher:
                 return True
             return False
 
-    def order(self, jobs: Iterable[_sim.SimJob]) -> Iterator[_sim.SimJob]:
+    def order(self, jobs: Iterable[SimJob]) -> Iterator[SimJob]:
         """Yield ``jobs`` in the order to step them, each once its fits are in the memos or
         left to the caller (jobs step independently: the order changes no result).
 
@@ -316,8 +298,8 @@ class FitPrefetcher:
             return
         self.tasks_taken += 1
         fits, bszs = out
-        self.fits_taken += _put_missing(_sim._FIT_CACHE, _sim._FIT_CACHE_MAX, fits)
-        self.bszs_taken += _put_missing(_sim._BSZ_CACHE, _sim._BSZ_CACHE_MAX, bszs)
+        self.fits_taken += self.memos.fits.merge(fits)
+        self.bszs_taken += self.memos.batch_sizes.merge(bszs)
 
     def _receive(self, block: bool) -> None:
         """Receive the results there are (``block``: at least one), keeping those of pending

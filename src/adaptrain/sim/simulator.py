@@ -18,13 +18,10 @@ which places each new job as it arrives and re-optimises every job each round. W
 ``arrival_allocation=False``, or a policy without ``allocate_job`` (Tiresias and Optimus here),
 a new job waits for the next round, as in the artifact simulator.
 
-Adaptive jobs (no fixed batch size) learn their goodput model online exactly like AdaptDL: each
-newly observed (nodes, replicas, local batch) configuration is added to a profile to which
-``fit_perf_params`` is refitted, and between epochs the batch size is re-optimised with
-``GoodputFunction.optimize``. JCT = completion time - submission time. The fit, the batch size
-a model picks and a model's speedup table are pure functions of their inputs, so they are
-memoised in the process, shared by all jobs and simulations (jobs of one model often share a
-profile, hence a model): the memos save time and change no result.
+Adaptive jobs (no fixed batch size) learn their goodput model online exactly like AdaptDL
+(:mod:`adaptrain.sim.job`). What the policy sees of a job is built by the scheduler's own rule,
+:func:`adaptrain.sched.jobs.job_info`, from what the job reports, as a service does.
+JCT = completion time - submission time.
 
 Times: as in the artifact, the time to cross an epoch boundary is rounded to whole seconds when
 the round length, the job's clock and its restart delay are whole (the standard configuration:
@@ -54,32 +51,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .policy_base import Allocation, JobInfo, NodeInfo, check_allocations
-from .speedup import LinearSpeedup, SpeedupFunction
+from adaptrain.sched.jobs import JobReport, job_info
+from adaptrain.sched.policy_base import Allocation, JobInfo, NodeInfo, check_allocations
+
+from .fitworkers import FitPrefetcher
+from .job import SHARED_MEMOS, GoodputMemos, SimJob, job_kind_for_policy
 from .traces import Application, WorkloadJob
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SimJob", "SimResult", "SimulationStalled", "Simulator", "job_kind_for_policy"]
-
-# profile (sorted items) -> fitted PerfParams, shared by all jobs and simulations
-_FIT_CACHE: dict[tuple, object] = {}
-_FIT_CACHE_MAX = 200_000
-# Pure functions of a job's goodput model and its application's batch limits, shared by all
-# jobs and simulations (jobs of one model often share fits, hence models): (model, limits,
-# nodes, replicas) -> the batch size a job picks, and (model, limits, table size) -> its
-# SpeedupFunction (whose memo of best goodputs then fills once for all those jobs).
-_BSZ_CACHE: dict[tuple, tuple[int, int]] = {}
-_SPEEDUP_CACHE: dict[tuple, SpeedupFunction] = {}
-_BSZ_CACHE_MAX = 200_000
-_SPEEDUP_CACHE_MAX = 256  # each holds a (nodes x replicas) memo table, ~130 kB in a simulation
-
-
-def _cache_put(cache: dict, key: tuple, value: object, limit: int) -> None:
-    """``cache[key] = value``, dropping the oldest entry when ``limit`` entries are held."""
-    if len(cache) >= limit:
-        del cache[next(iter(cache))]
-    cache[key] = value
+__all__ = ["SimResult", "SimulationStalled", "Simulator"]
 
 
 class SimulationStalled(RuntimeError):
@@ -143,262 +124,6 @@ class _Progress:
             self._line(sim, "finished")
 
 
-def job_kind_for_policy(policy_name: str) -> str:
-    """Which workload columns a policy's jobs use: 'fixed' (replicas + batch size, Tiresias),
-    'batch' (batch size only, Optimus) or 'adaptive' (neither: Pollux and ours)."""
-    return {"tiresias": "fixed", "optimus": "batch"}.get(policy_name, "adaptive")
-
-
-class SimJob:
-    """One training job replayed from its application's traces."""
-
-    def __init__(
-        self,
-        name: str,
-        app: Application,
-        submission_time: float,
-        *,
-        target_num_replicas: int | None = None,
-        target_batch_size: int | None = None,
-        adaptive: bool = False,
-        restart_delay: float = 30.0,
-        max_nodes: int = 64,
-        max_replicas: int = 256,
-    ) -> None:
-        self.name = name
-        self.app = app
-        self.submission_time = submission_time
-        self.target_num_replicas = target_num_replicas
-        self.target_batch_size = target_batch_size
-        self.adaptive = adaptive  # learns a goodput model (needed by goodput-based policies)
-        self.restart_delay = restart_delay
-        # size of the speedup memo table: at least the cluster (``speedup_fn`` is never asked
-        # about more nodes or replicas than the cluster has)
-        self.max_nodes = max_nodes
-        self.max_replicas = max_replicas
-        self.completion_time: float | None = None
-        self.current_time = 0.0
-        self.rescale_time = 0.0
-        self.placement: tuple[int, ...] = ()
-        self.atomic_bsz = 0
-        self.accum_steps = 0
-        self.profile: dict[tuple[int, int, int], tuple[float, float]] = {}
-        self.perf_params = None
-        self.grad_params: tuple[float, float] | None = None
-        self.progress = 0.0
-        self.epoch = 0
-        self.attained_service = 0.0
-        self.num_restarts: int | None = None
-
-    # ---- goodput model ----------------------------------------------------------------------
-    @property
-    def max_profiled_replicas(self) -> int:
-        return max((k[1] for k in self.profile), default=0)
-
-    def goodput_fn(self):
-        from adaptrain.core.goodput import GoodputFunction
-
-        return GoodputFunction(self.perf_params, self.grad_params, self.app.init_batch_size)
-
-    def _model_key(self) -> tuple:
-        """What the goodput model's answers depend on: its parameters and the batch limits."""
-        app = self.app
-        return (
-            tuple(self.perf_params),
-            tuple(self.grad_params),
-            app.init_batch_size,
-            app.max_batch_size,
-            app.min_local_bsz,
-            app.max_local_bsz,
-        )
-
-    def speedup_fn(self):
-        """Speedup over one GPU from the learned goodput model (``r`` before any profile)."""
-        if self.perf_params is None:
-            return LinearSpeedup()
-        key = (self._model_key(), self.max_nodes, self.max_replicas)
-        fn = _SPEEDUP_CACHE.get(key)
-        if fn is None:
-            app = self.app
-            fn = SpeedupFunction(
-                self.goodput_fn(),
-                max_batch_size=app.max_batch_size,
-                atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
-                accumulation=True,
-                max_nodes=self.max_nodes,
-                max_replicas=self.max_replicas,
-            )
-            _cache_put(_SPEEDUP_CACHE, key, fn, _SPEEDUP_CACHE_MAX)
-        return fn
-
-    def update_local_bsz(self, placement: Sequence[int]) -> None:
-        app = self.app
-        placement = tuple(p for p in placement if p)
-        num_nodes, num_replicas = len(placement), sum(placement)
-        batch_size = self.target_batch_size
-        if batch_size is None and self.perf_params is None:
-            batch_size = max(app.init_batch_size, app.min_local_bsz * num_replicas)
-        if batch_size is None:
-            key = (self._model_key(), num_nodes, num_replicas)
-            best = _BSZ_CACHE.get(key)
-            if best is None:
-                _, atomic, accum = self.goodput_fn().optimize(
-                    num_nodes,
-                    num_replicas,
-                    max_batch_size=app.max_batch_size,
-                    atomic_bsz_range=(app.min_local_bsz, app.max_local_bsz),
-                    accumulation=True,
-                    round_past_max=True,  # the artifact's (AdaptDL's) rule, for fidelity
-                )
-                best = (int(atomic), int(accum))
-                _cache_put(_BSZ_CACHE, key, best, _BSZ_CACHE_MAX)
-            self.atomic_bsz, self.accum_steps = best
-        else:
-            local_bsz = math.ceil(batch_size / num_replicas - 1e-8)
-            self.accum_steps = math.ceil(local_bsz / app.max_local_bsz - 1e-8) - 1
-            if num_replicas == 1 and batch_size > app.init_batch_size:
-                self.accum_steps = max(1, self.accum_steps)
-            self.atomic_bsz = math.ceil(local_bsz / (self.accum_steps + 1) - 1e-8)
-        count = num_replicas * (self.accum_steps + 1)
-        self.atomic_bsz = min(self.atomic_bsz, int(app.max_batch_size / count))
-
-    def update_params(self, num_nodes, num_replicas, local_bsz, step_time, sync_time, sqr, var):
-        self.grad_params = (sqr, var)
-        if not self.adaptive or (num_nodes, num_replicas, local_bsz) in self.profile:
-            return
-        from adaptrain.core.goodput import fit_perf_params
-
-        self.profile[num_nodes, num_replicas, local_bsz] = (step_time, sync_time)
-        # The fit is a pure function of the profile; jobs of one model often share profiles.
-        # Observations go in sorted order, so that the fit (its floating-point sums) does not
-        # depend on the order a job met its configurations, nor on which job filled the cache.
-        cache_key = tuple(sorted(self.profile.items()))
-        cached = _FIT_CACHE.get(cache_key)
-        if cached is not None:
-            self.perf_params = cached
-            return
-        keys = [k for k, _ in cache_key]
-        vals = [v for _, v in cache_key]
-        step = np.array([v[0] for v in vals])
-        sync = np.array([v[1] for v in vals])
-        self.perf_params = fit_perf_params(
-            np.array([k[0] for k in keys]),
-            np.array([k[1] for k in keys]),
-            np.array([k[2] for k in keys]),
-            step - sync,
-            step,
-        )
-        _cache_put(_FIT_CACHE, cache_key, self.perf_params, _FIT_CACHE_MAX)
-
-    # ---- dynamics ---------------------------------------------------------------------------
-    def step(self, seconds: float, interference: float = 0.0) -> None:
-        """Advance ``seconds`` of wall time on the current placement.
-
-        The time to an epoch boundary is rounded to whole seconds (as in the artifact) only when
-        ``seconds``, the job's clock and its restart delay are all whole; it is exact otherwise.
-        """
-        whole = (
-            float(seconds).is_integer()
-            and float(self.current_time).is_integer()
-            and float(self.restart_delay).is_integer()
-        )
-        if not self.placement:
-            self.current_time += seconds
-            return
-        replicas_total = sum(self.placement)
-        delay = min(self.rescale_time, seconds)
-        self.current_time += delay
-        self.attained_service += delay * replicas_total
-        self.rescale_time -= delay
-        seconds -= delay
-        app = self.app
-        while seconds > 0 and self.completion_time is None:
-            placement = tuple(p for p in self.placement if p)
-            num_nodes, num_replicas = len(placement), sum(placement)
-            batch_size = num_replicas * self.atomic_bsz * (self.accum_steps + 1)
-            scale = batch_size / app.init_batch_size
-            step_time, sync_time = app.get_throughput(placement, self.atomic_bsz)
-            accum_time = step_time - sync_time
-            sqr, var = app.get_grad_stats(batch_size, self.epoch)
-            gain = (var + sqr) / (var / scale + sqr)
-            self.update_params(
-                num_nodes, num_replicas, self.atomic_bsz, step_time, sync_time, sqr, var
-            )
-            total_time = step_time + accum_time * self.accum_steps
-            goodput = gain / total_time * (1.0 - interference)
-            next_progress = app.get_progress(self.epoch + 1)
-            if self.progress + goodput * seconds < next_progress:
-                self.progress += goodput * seconds
-                self.current_time += seconds
-                self.attained_service += seconds * replicas_total
-                seconds = 0
-            else:
-                self.epoch += 1
-                delta = float((next_progress - self.progress) / goodput)
-                if whole:  # the artifact's rounding; then delta <= seconds already
-                    delta = round(delta)
-                delta = min(delta, seconds)
-                if self.epoch > app.get_completion_epoch(batch_size):
-                    self.completion_time = self.current_time + delta
-                self.progress = next_progress
-                self.current_time += delta
-                self.attained_service += delta * replicas_total
-                seconds -= delta
-            self.update_local_bsz(self.placement)
-        self.current_time += seconds
-
-    def reallocate(self, placement: Sequence[int]) -> None:
-        if placement:
-            self.placement = tuple(placement)
-            self.update_local_bsz(self.placement)
-            self.rescale_time = self.restart_delay
-            self.num_restarts = 0 if self.num_restarts is None else self.num_restarts + 1
-        else:
-            self.placement = ()
-            self.atomic_bsz = 0
-
-    def remaining_work(self, speedup: SpeedupFunction | None = None) -> float | None:
-        """Estimated seconds left on one GPU: remaining statistical progress (known from the
-        remaining epochs) over the goodput the job's own model (or ``speedup``'s) predicts on
-        one GPU."""
-        if self.perf_params is None:
-            return None
-        left = self.app.get_progress(self.app.max_epochs) - self.progress
-        fn = self.speedup_fn() if speedup is None else speedup
-        rate = fn.base_goodput / self.app.init_batch_size
-        return max(left, 0.0) / rate if rate > 0 else None
-
-    def remaining_steps(self) -> float:
-        """Steps left at the fixed batch size (Optimus's estimate)."""
-        app, bsz = self.app, self.target_batch_size
-        done = app.get_completion_epoch(bsz)
-        if done <= self.epoch:
-            return 1.0
-        return app.get_iteration(bsz, done) - app.get_iteration(bsz, self.epoch)
-
-    def step_time_fn(self, gpus_per_node: int = 4) -> Callable[[int], float]:
-        """Seconds per step at the fixed batch size on ``r`` replicas packed onto nodes of
-        ``gpus_per_node`` GPUs (Optimus's model)."""
-        app, bsz = self.app, self.target_batch_size
-        if gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node={gpus_per_node} must be >= 1")
-
-        def fn(r: int) -> float:
-            placement: tuple[int, ...] = ()
-            while sum(placement) < r:
-                placement = (*placement, min(r - sum(placement), gpus_per_node))
-            local = math.ceil(bsz / r - 1e-8)
-            accum = math.ceil(local / app.max_local_bsz - 1e-8) - 1
-            if r == 1:
-                accum = max(1, accum)
-            atomic = math.ceil(local / (accum + 1) - 1e-8)
-            atomic = min(atomic, int(app.max_batch_size / (r * (accum + 1))))
-            step, sync = app.get_throughput(placement, atomic)
-            return step + (step - sync) * accum
-
-        return fn
-
-
 @dataclass
 class SimResult:
     """Outcome of one simulation."""
@@ -442,7 +167,7 @@ class Simulator:
     """A cluster of ``num_nodes`` x ``gpus_per_node`` GPUs replaying a workload under a policy.
 
     ``fit_workers`` > 0 computes the adaptive jobs' goodput refits ahead in that many worker
-    processes while the policy decides each round (:mod:`adaptrain.sched._prefetch`), with the
+    processes while the policy decides each round (:mod:`adaptrain.sim.fitworkers`), with the
     same results bit for bit: 1 uses the second core of a 2-core machine. The workers live
     for one :meth:`run` and start with ``spawn``, so a script that simulates with them must
     guard its entry point with ``if __name__ == "__main__":``.
@@ -463,6 +188,7 @@ class Simulator:
         record_timeline: bool = False,
         arrival_allocation: bool = True,
         fit_workers: int = 0,
+        memos: GoodputMemos | None = None,
     ) -> None:
         if not (math.isfinite(interval) and interval > 0):
             raise ValueError(f"interval={interval} must be a finite number of seconds > 0")
@@ -491,6 +217,7 @@ class Simulator:
         self.policy = policy
         self.applications = applications
         self.fit_workers = fit_workers
+        self.memos = SHARED_MEMOS if memos is None else memos
         self._prefetch = None  # a FitPrefetcher while run() holds workers
         #: what the fit workers did in the last run() (:meth:`FitPrefetcher.stats`), or {}
         self.prefetch_stats: dict[str, float] = {}
@@ -521,6 +248,7 @@ class Simulator:
                 "restart_delay": restart_delay,
                 "max_nodes": max(64, num_nodes),
                 "max_replicas": max(256, capacity),
+                "memos": self.memos,
             }
             if self.kind == "fixed":
                 if w.num_replicas < 1:
@@ -566,51 +294,41 @@ class Simulator:
         return {i: NodeInfo(self.gpus_per_node) for i in range(self.num_nodes)}
 
     def job_info(self, job: SimJob, now: float | None = None) -> JobInfo:
-        """What the policy sees of ``job`` at time ``now`` (default: the current round)."""
+        """What the policy sees of ``job`` at time ``now`` (default: the current round): the
+        scheduler's :func:`~adaptrain.sched.jobs.job_info` of what the job reports."""
         now = self.current_time if now is None else now
-        app = self.app_limits(job)
+        return job_info(self.job_report(job), cluster_replicas=self.replica_cap(job.app), now=now)
+
+    def job_report(self, job: SimJob) -> JobReport:
+        """What ``job`` reports, as a service would hear it from a real job."""
+        app = job.app
+        common = {
+            "submitted": job.submission_time,
+            "attained_service": job.attained_service,
+            "num_restarts": job.num_restarts or 0,
+            "application": app.name,
+            "epoch": job.epoch,
+        }
         if self.kind == "fixed":
-            return JobInfo(
-                creation_timestamp=job.submission_time,
-                attained_service=job.attained_service,
-                max_replicas=job.target_num_replicas,
-            )
+            return JobReport(replicas=job.target_num_replicas, **common)
+        # as in the artifact, a scaled ncf job runs on one replica at a fixed batch size
+        common["max_replicas"] = 1 if app.name == "ncf" else None
         if self.kind == "batch":
-            return JobInfo(
-                creation_timestamp=job.submission_time,
-                attained_service=job.attained_service,
-                max_replicas=1
-                if job.app.name == "ncf"
-                else min(app["batch_max_replicas"], self.replica_cap(job.app)),
+            return JobReport(
+                batch_size=job.target_batch_size,
+                min_local_bsz=app.min_local_bsz,
                 step_time_fn=job.step_time_fn(self.gpus_per_node),
                 remaining_steps=job.remaining_steps(),
+                **common,
             )
-        limit = min(self.replica_cap(job.app), job.app.max_batch_size // job.app.min_local_bsz)
-        if job.app.name == "ncf":
-            limit = 1
-        # the allocator's default exploration cap (AdaptDL's): at most twice the largest size
-        # the job has run on; a policy with its own rule may widen it up to the limit
-        max_replicas = min(max(2 * job.max_profiled_replicas, 1), limit)
-        return JobInfo(
-            creation_timestamp=job.submission_time,
-            attained_service=job.attained_service,
-            max_replicas=max_replicas,
+        return JobReport(
+            profile=types.MappingProxyType(job.profile),
             speedup_fn=job.speedup_fn(),
             remaining_work=job.remaining_work(),
-            max_profiled_replicas=job.max_profiled_replicas,
-            replica_limit=limit,
-            num_restarts=job.num_restarts or 0,
-            age=now - job.submission_time,
-            application=job.app.name,
-            epoch=job.epoch,
-            profile=types.MappingProxyType(job.profile),
+            max_batch_size=app.max_batch_size,
+            min_local_bsz=app.min_local_bsz,
+            **common,
         )
-
-    @staticmethod
-    def app_limits(job: SimJob) -> dict:
-        if job.target_batch_size is None:
-            return {}
-        return {"batch_max_replicas": max(1, job.target_batch_size // job.app.min_local_bsz)}
 
     def active_jobs(self) -> list[SimJob]:
         return [
@@ -769,10 +487,8 @@ class Simulator:
         finished = False
         try:
             if self.fit_workers and self.kind == "adaptive":
-                from ._prefetch import FitPrefetcher
-
                 try:
-                    self._prefetch = FitPrefetcher(self.applications, self.fit_workers)
+                    self._prefetch = FitPrefetcher(self.applications, self.memos, self.fit_workers)
                 except Exception as exc:  # noqa: BLE001 - the workers only save time
                     logger.warning(
                         "could not start %d fit worker(s) (%s: %s); simulating with every fit "
