@@ -67,15 +67,20 @@ def test_sums_over_three_replicas():
 
 def test_updates_survive_restart(monkeypatch, tmp_path):
     monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
-    acc = Accumulator()
-    acc["loss"] += 1.25
-    checkpoint.save_all_states()  # pending updates are folded in before the save
+
+    def program(restarted: bool) -> float | None:
+        acc = Accumulator()
+        acc["loss"] += 1.25  # the restarted program replays the code before the checkpoint...
+        if not restarted:
+            checkpoint.save_all_states()  # pending updates are folded in before the save
+            return None
+        acc["loss"] += 0.5  # ...and goes on past it
+        with acc.synchronized():
+            return acc["loss"]
+
+    assert program(restarted=False) is None
     checkpoint.reset()
-    acc = Accumulator()
-    acc["loss"] += 1.25  # the restarted program replays the code before the checkpoint...
-    acc["loss"] += 0.5  # ...and goes on past it
-    with acc.synchronized():
-        assert acc["loss"] == 1.75
+    assert program(restarted=True) == 1.75
 
 
 def _outside_update_then_loop(interrupt_at: int | None) -> dict | None:

@@ -35,8 +35,11 @@ efficiency (AdaptDL's callers pass clipped values anyway) and a NaN or infinite 
 rule gives −1 when the local batch is below 1e-8 × the largest micro-batch, e.g. with
 ``max_batch_size = 1e9``), and ``max_batch_size`` is at most ``2**53``; ``optimize`` starts its
 search at ``⌈init_batch_size⌉`` (AdaptDL truncates a non-integer one and fails) and takes an
-optional ``min_batch_size``; the fit's search is more reliable (see :func:`fit_perf_params`), its
-objective and priors are the same.
+optional ``min_batch_size``; a candidate whose micro-batch falls outside ``atomic_bsz_range``
+gets goodput 0 (AdaptDL clamps it into the range, which may take the total past
+``max_batch_size``), and a single replica's smallest local batch is the range's minimum where
+that exceeds the initial batch (AdaptDL's clamp, without its extra micro-batch); the fit's
+search is more reliable (see :func:`fit_perf_params`), its objective and priors are the same.
 """
 
 from __future__ import annotations
@@ -282,11 +285,17 @@ class GoodputFunction:
         returns goodput 0).
 
         * Without ``accumulation``: ``accum_steps = 0``; a single replica keeps
-          ``atomic_bsz = ⌈init_batch_size⌉`` (it cannot grow its batch without accumulation),
-          more replicas use ``ceil(batch / num_replicas)``.
+          ``atomic_bsz = max(⌈init_batch_size⌉, min_atomic_bsz)`` (it cannot grow its batch
+          without accumulation), more replicas use ``ceil(batch / num_replicas)``.
         * With ``accumulation``: ``accum_steps = max(ceil(local / max_atomic_bsz) − 1, 0)`` (at
-          least 1 for a single replica whose local batch exceeds ``init_batch_size``, so that the
-          gradient noise can be estimated) and ``atomic_bsz = ceil(local / (accum_steps + 1))``.
+          least 1 for a single replica whose local batch exceeds that smallest batch,
+          ``max(⌈init_batch_size⌉, min_atomic_bsz)``, so that the gradient noise can be
+          estimated) and ``atomic_bsz = ceil(local / (accum_steps + 1))``.
+
+        A single replica whose minimum micro-batch exceeds the initial batch (``init_batch_size
+        = 128``, ``atomic_bsz_range = (256, 256)``) thus runs at the minimum, ``(256, 0)``, as
+        AdaptDL clamps it (AdaptDL, with accumulation, adds a second micro-batch of 256);
+        whenever the range admits ``⌈init_batch_size⌉`` that minimum is the initial batch.
 
         The search starts at ``⌈init_batch_size⌉`` (the initial batch itself when it is an
         integer, AdaptDL's case), so every candidate's total is at least a non-integer
@@ -304,8 +313,8 @@ class GoodputFunction:
                 scheduler's simulation keeps it for fidelity).
             min_batch_size: the smallest total batch to consider (default None: from the
                 initial batch, as AdaptDL); raises the start of the search, and a candidate whose
-                total still falls below it (a single replica without accumulation, stuck at the
-                initial batch) gets goodput 0. A caller bounds a move's shrink with it. It does
+                total still falls below it (a single replica without accumulation, stuck at its
+                smallest batch) gets goodput 0. A caller bounds a move's shrink with it. It does
                 not let a rounded-up total pass ``max_batch_size``.
 
         Returns:
@@ -364,6 +373,10 @@ class GoodputFunction:
         # micro-batches) minus the epsilon stays ≥ it, hence ≥ init (AdaptDL's ints unchanged).
         init_int = math.ceil(init)
         floor = init_int if min_batch_size is None else max(init_int, math.ceil(min_batch_size))
+        # A single replica's smallest local batch: the initial batch, or the minimum micro-batch
+        # where that is larger (AdaptDL clamps the micro-batch up to it). Equal to ``init_int``
+        # whenever the bounds admit the initial batch.
+        single_local = max(init_int, math.ceil(min_atomic))
 
         def split(batch: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """Integer ``(atomic_bsz, accum_steps)`` for each total ``batch`` (AdaptDL's)."""
@@ -371,12 +384,13 @@ class GoodputFunction:
             if accumulation:
                 # at least 0: ``local < 1e-8 · max_atomic`` would otherwise give -1
                 accum = np.maximum(np.ceil(local / max_atomic - _EPS_ROUND) - 1, 0)
-                needs_two = (replicas == 1) & (local > init_int + _EPS_ROUND)
+                needs_two = (replicas == 1) & (local > single_local + _EPS_ROUND)
                 accum = np.where(needs_two, np.maximum(accum, 1), accum).astype(int)
                 atomic = np.ceil(local / (accum + 1) - _EPS_ROUND).astype(int)
             else:
                 accum = np.zeros(local.shape, dtype=int)
-                atomic = np.where(replicas == 1, init_int, np.ceil(local - _EPS_ROUND)).astype(int)
+                atomic = np.where(replicas == 1, single_local, np.ceil(local - _EPS_ROUND))
+                atomic = atomic.astype(int)
             return atomic, accum
 
         # Candidates: (NUM_CANDIDATES, n_allocations).

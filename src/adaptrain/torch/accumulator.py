@@ -17,12 +17,19 @@ only shows the recorded result: its writes are discarded and the checkpointed ru
 kept, so sums collected after it (e.g. the first half of a validation loop that a checkpoint
 interrupted) still count. History of finished epochs is dropped.
 
-Updates made outside data-loader loops are replayed too (a loader skips the batches it already
-served; the code around it runs again): the checkpoint records how many such updates the
-current epoch (or the code before the epoch loop) had made, and after a restart that many are
-dropped before new ones count. AdaptDL's Accumulator counts them twice when no synchronization
-lies between them and the checkpoint. Like the recorded synchronizations, this relies on the
-program making the same updates in the same order when it replays.
+Updates made outside data-loader loops are replayed too (a loader skips the loops it finished;
+the code around them runs again). AdaptDL's Accumulator counts such an update twice when no
+synchronization lies between it and the checkpoint; adaptrain recognises the replayed ones by
+where they are made. Each update outside a loop is identified by its epoch, the number of the
+epoch's data-loader loops finished before it, its key, the line that makes it (the first frame
+outside this module: module, function, line number) and its order among the updates so
+identified. A checkpoint records how many updates each identity had counted (on any replica);
+after a restart an update whose identity had counted more than its order is a replay and is
+dropped, any other counts. So code guarded to run once (``if env.num_restarts() == 0:``, the
+AdaptDL idiom for code that must not run twice) and code that runs again both come out right:
+a skipped update leaves no gap that a genuine one would fill, and code after the loop the
+checkpoint interrupted always counts. This relies on the replay making the same unguarded
+updates from the same lines as before, in the same order per line.
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ import collections
 import contextlib
 import copy
 import pickle
+import sys
 from collections.abc import Iterator, MutableMapping
 from typing import Any, BinaryIO
 
 from adaptrain.dist import checkpoint, collective
-from adaptrain.torch.data import current_dataloader
+from adaptrain.torch.data import AdaptiveDataLoaderHelper, current_dataloader
 from adaptrain.torch.epoch import current_epoch
 
 __all__ = ["Accumulator"]
@@ -46,6 +54,34 @@ def _merge(a: dict, b: dict) -> dict:
     for key, val in b.items():
         out[key] = out[key] + val if key in out else val
     return out
+
+
+def _most(a: dict, b: dict) -> dict:
+    """Per epoch and identity, the larger of two replicas' counts of updates made outside loops."""
+    out = {epoch: dict(counts) for epoch, counts in a.items()}
+    for epoch, counts in b.items():
+        mine = out.setdefault(epoch, {})
+        for site, n in counts.items():
+            mine[site] = max(mine.get(site, 0), n)
+    return out
+
+
+def _merge_for_checkpoint(a: tuple, b: tuple) -> tuple:
+    return _merge(a[0], b[0]), _most(a[1], b[1])
+
+
+def _call_site() -> tuple:
+    """(module, function, line) of the first frame outside this module: where the update is made
+    (``acc.update(...)`` and ``acc += {...}`` go through this module on their way)."""
+    frame = sys._getframe(1)
+    here = globals()
+    while frame is not None and frame.f_globals is here:
+        frame = frame.f_back
+    if frame is None:  # pragma: no cover - always called from somewhere
+        return ("", "", 0)
+    code = frame.f_code
+    name = getattr(code, "co_qualname", code.co_name)  # Python 3.11+
+    return (frame.f_globals.get("__name__", ""), name, frame.f_lineno)
 
 
 class _AccumulatorState(checkpoint.State):
@@ -63,31 +99,51 @@ class _AccumulatorState(checkpoint.State):
         self.results: dict = dict(*args, **kwargs)
         self.updates: dict = {}
         self.results_history: dict = collections.defaultdict(list)
-        # updates made outside data-loader loops, per epoch (None: before the epoch loop), and
-        # how many of them a restart replays (the count at the checkpoint it restored)
-        self.outside_count: dict = {}
-        self.replayed: dict = {}
+        # Updates made outside data-loader loops, per epoch (None: before the epoch loop) and
+        # identity (see the module docstring), counted in this process; and the counts of the
+        # checkpoint restored (None: a checkpoint without them, nothing is recognised).
+        self.outside: dict = {}
+        self.replayed: dict | None = {}
+        self._gathered: dict | None = None  # every replica's counts, gathered by sync()
 
-    def count_outside_update(self, epoch: Any) -> bool:
+    def count_outside_update(self, epoch: Any, key: Any) -> bool:
         """Count an update made outside a data-loader loop; False if it is a replayed one."""
-        for key in [k for k in self.outside_count if k is not None and epoch is not None]:
-            if key < epoch:  # finished epochs are never replayed
-                self.outside_count.pop(key)
-                self.replayed.pop(key, None)
-        n = self.outside_count.get(epoch, 0)
-        self.outside_count[epoch] = n + 1
-        return n >= self.replayed.get(epoch, 0)
+        for old in [k for k in self.outside if k is not None and epoch is not None]:
+            if old < epoch:  # finished epochs are never replayed
+                self.outside.pop(old)
+                if self.replayed is not None:
+                    self.replayed.pop(old, None)
+        site = (AdaptiveDataLoaderHelper._position[epoch], key, *_call_site())
+        counts = self.outside.setdefault(epoch, {})
+        n = counts.get(site, 0)
+        counts[site] = n + 1
+        if self.replayed is None:
+            return True
+        return n >= self.replayed.get(epoch, {}).get(site, 0)
 
-    def sync(self) -> None:
+    def sum_updates(self) -> None:
+        """Sum every replica's pending updates into ``results`` (collective)."""
         self.results = _merge(self.results, collective.allreduce(self.updates, _merge))
         self.updates = {}
 
+    def sync(self) -> None:
+        """Before a checkpoint (collective): sum the pending updates, and gather the counts of
+        updates made outside loops, the most any replica made of each (code that only some
+        replicas run is recognised on every replica after the restart)."""
+        updates, self._gathered = collective.allreduce(
+            (self.updates, self.outside), _merge_for_checkpoint
+        )
+        self.results = _merge(self.results, updates)
+        self.updates = {}
+
     def save(self, fileobj: BinaryIO) -> None:
+        outside = self.outside if self._gathered is None else self._gathered
+        self._gathered = None
         pickle.dump(
             {
                 "results": self.results,
                 "history": dict(self.results_history),
-                "outside": dict(self.outside_count),
+                "outside_sites": {epoch: dict(counts) for epoch, counts in outside.items()},
             },
             fileobj,
         )
@@ -96,8 +152,9 @@ class _AccumulatorState(checkpoint.State):
         data = pickle.load(fileobj)
         self.results = data["results"]
         self.results_history = collections.defaultdict(list, data["history"])
-        self.replayed = dict(data.get("outside", {}))  # older checkpoints: nothing to drop
-        self.outside_count = {}
+        # A checkpoint without the identities (an older format): nothing to recognise.
+        self.replayed = data.get("outside_sites")
+        self.outside = {}
 
 
 def _reset() -> None:
@@ -152,11 +209,15 @@ class Accumulator(MutableMapping):
             # collected after this synchronization included, so they stay untouched, and so do
             # the writes replayed inside the block (e.g. an ``acc.clear()`` that must not wipe
             # those later sums) and the recorded entry itself (a second restart replays it
-            # again). The pending updates come from replayed code, already counted: dropped.
+            # again).
             self._synchronized = copy.deepcopy(results_list[count])
-            self._state.updates = {}
+            if self._state.replayed is None:
+                # Updates are not recognised (a checkpoint without their identities): the
+                # pending ones come from replayed code, already counted: dropped. Otherwise
+                # the replayed ones were dropped as they were made, and those pending are new.
+                self._state.updates = {}
         else:
-            self._state.sync()
+            self._state.sum_updates()
             if current_dataloader() is None:
                 # Code inside data-loader loops is never replayed: nothing to record there.
                 results_list.append(copy.deepcopy(self._state.results))
@@ -199,7 +260,9 @@ class Accumulator(MutableMapping):
                 f"in accumulation mode only acc[{key!r}] += v / -= v are allowed, not "
                 f"assignment of {type(value).__name__}; assign inside `with acc.synchronized():`"
             )
-        if current_dataloader() is None and not self._state.count_outside_update(current_epoch()):
+        if current_dataloader() is None and not self._state.count_outside_update(
+            current_epoch(), key
+        ):
             return  # replayed after a restart: already in the checkpointed results
         updates = self._state.updates
         updates[key] = updates[key] + value.update if key in updates else value.update

@@ -41,6 +41,7 @@ import collections
 import contextlib
 import logging
 import math
+import operator
 import pickle
 import random
 import signal
@@ -76,11 +77,20 @@ def _world() -> tuple[int, int]:
     return env.num_replicas(), env.replica_rank()
 
 
-def _permutation(n: int, shuffle: bool, epoch: int | None, seed: int) -> list[int]:
+_PASS_SEED_STRIDE = 0x9E3779B97F4A7C15  # 2**64 / golden ratio: spreads the passes' seeds
+
+
+def _permutation(
+    n: int, shuffle: bool, epoch: int | None, seed: int, pass_index: int = 0
+) -> list[int]:
+    """Order of pass ``pass_index`` (0: the first) of ``epoch`` over ``n`` samples."""
     if not shuffle:
         return list(range(n))
     g = torch.Generator()
-    g.manual_seed(int(seed) * 1_000_003 + int(epoch or 0))
+    base = int(seed) * 1_000_003 + int(epoch or 0)
+    if pass_index:  # a later pass of the same epoch: another deterministic shuffle
+        base = (base + pass_index * _PASS_SEED_STRIDE) % (1 << 64)
+    g.manual_seed(base)
     return torch.randperm(n, generator=g).tolist()
 
 
@@ -88,13 +98,24 @@ class ElasticSampler(Sampler[int]):
     """Partition a dataset over replicas, resumable at any index, without padding.
 
     For the epoch set by :meth:`set_epoch` the dataset order is fixed (deterministic shuffle
-    seeded by the epoch); from ``index`` on, replica ``r`` of ``R`` yields ``order[index + r::R]``.
+    seeded by the epoch); from ``index`` on, replica ``r`` of ``R`` yields ``order[index + r::R]``
+    (for an index below the dataset's length).
+
+    As in AdaptDL, ``index`` may go past the end of the dataset: index ``k · len(dataset) + i``
+    is position ``i`` of the epoch's pass ``k``, each pass in its own deterministic order (the
+    same order every pass without ``shuffle``). A loader that runs several passes in one epoch
+    and rounds its index up to the next multiple of the dataset's length after each (AdaptDL's
+    loader with an adaptive batch size) resumes the right pass after a restart; an index equal
+    to the length starts the next pass, it does not end the epoch.
 
     Unlike AdaptDL's, the replicas' shares may differ by one sample (10 samples on 3 replicas:
     4 / 3 / 3), so that every sample is seen exactly once. A custom loader batching this
     output must give every replica the same number of batches (``profile()`` and DDP's
     all-reduce are collectives), e.g. by cutting batches by global position as
     :class:`AdaptiveDataLoader` does, or by dropping the last incomplete batch.
+
+    ``num_replicas`` and ``rank`` are read at construction (the process group's, else the
+    environment's) and kept: a caller may set them, and :meth:`set_epoch` leaves them alone.
 
     Args:
         dataset: a map-style dataset (with ``__len__``).
@@ -112,23 +133,39 @@ class ElasticSampler(Sampler[int]):
         self.epoch = 0
         self.index = 0
 
+    def _position(self) -> tuple[int, int]:
+        """(pass, position within it) of the set index (pass 0 for an empty dataset)."""
+        n = len(self.dataset)
+        return divmod(self.index, n) if n else (0, 0)
+
     def order(self) -> list[int]:
-        """The epoch's order of all dataset indices (the same on every replica)."""
-        return _permutation(len(self.dataset), self.shuffle, self.epoch, self.seed)
+        """The order of all dataset indices in the set index's pass of the set epoch (the same
+        on every replica; the epoch's first pass for an index below the dataset's length)."""
+        k = self._position()[0]
+        return _permutation(len(self.dataset), self.shuffle, self.epoch, self.seed, k)
 
     def __iter__(self) -> Iterator[int]:
         """This replica's indices of the set epoch, from the set index on."""
-        return iter(self.order()[self.index + self.rank :: self.num_replicas])
+        start = self._position()[1]
+        return iter(self.order()[start + self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
         """Number of indices :meth:`__iter__` yields on this replica."""
-        return len(range(self.index + self.rank, len(self.dataset), self.num_replicas))
+        start = self._position()[1]
+        return len(range(start + self.rank, len(self.dataset), self.num_replicas))
 
     def set_epoch(self, epoch: int, index: int = 0) -> None:
-        """Use ``epoch``'s order and start at global position ``index`` (e.g. after a restart)."""
-        if not 0 <= index <= len(self.dataset):
-            raise ValueError(f"index={index} must be within 0..{len(self.dataset)} (dataset size)")
-        self.num_replicas, self.rank = _world()
+        """Use ``epoch``'s order and start at global position ``index`` (e.g. after a restart).
+
+        Only the epoch and the index change (``num_replicas`` and ``rank`` stay as they are).
+        An index past the dataset's length continues into a later pass (see the class).
+
+        Raises:
+            ValueError: if ``index`` is negative.
+        """
+        index = operator.index(index)
+        if index < 0:
+            raise ValueError(f"index={index} must be ≥ 0 (a global position in the epoch)")
         self.epoch = epoch
         self.index = index
 

@@ -331,8 +331,31 @@ class GradientNoiseScale:
         self._accum_scale = float(accum_scale)
 
     def reset_accumulation(self) -> None:
-        """Forget the micro-batches counted for the current step."""
+        """Reset the accumulation calculations and gradients of the current step (AdaptDL's).
+
+        Forgets the micro-batches counted for the step and what the statistics measured on
+        them (armed hooks, this step's gradient norms; with one replica, this step's gradient
+        kept for the next step's pair), drops the micro-batches' gradients that
+        AdaptiveDataParallel set aside, and zeroes the gradients: the optimizer's
+        (``optimizer.zero_grad()``), or without an optimizer those of the registered model's
+        parameters. A step whose gradients are not finite (a NaN loss) is thus discarded
+        instead of being accumulated into the next steps. Steps already ended by
+        :meth:`finish_step` are kept.
+        """
         self._accum_count = 0
+        c = self._collector
+        if c is not None:
+            self._remove_hooks()  # the step's hooks and measurement (``c.result`` included)
+            if c.prev is not None and c.prev[0] == c.step_index:
+                c.prev = None  # the gradient of the step being discarded
+        rt = getattr(self._adp, "_rt", None)  # AdaptiveDataParallel's set-aside micro-batches
+        if rt is not None and getattr(rt, "stash", None):
+            rt.stash = []
+        if self._optimizer is not None:
+            self._optimizer.zero_grad()
+        elif c is not None:
+            for p in c.params:
+                p.grad = None
 
     @property
     def raw_sqr_avg(self) -> np.ndarray:
