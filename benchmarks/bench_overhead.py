@@ -16,14 +16,14 @@ preemption spikes on a shared machine). ``--steps`` must be a multiple of every 
 sampling interval (62 by default), so that every block holds the same number of sampled steps.
 A 95% confidence interval of each median (binomial order statistics) is printed: on a 2-core
 host the paired ratios scatter by +-15%, so resolving 1% takes thousands of repetitions.
-(Interleaving the variants step by step instead was tried in session 4: no narrower spread, and the A/A control read 0.92-0.95, a bias from
-the models' alternating use of the caches.)
+(Interleaving the variants step by step instead gives no narrower spread, and the A/A control
+then reads 0.92-0.95, a bias from the models' alternating use of the caches.)
 
 With ``--launches K`` the repetitions are split over K fresh launches, each building its
 variants in another order and memory layout; their samples are pooled, and the mean of the
 per-launch medians is given with a 95% interval over launches (one launch's own interval is
-too narrow when launches disagree, as two runs of session 20 did). The first ~3 steps of a
-block after another model's cost 2.5-4 ms more than the rest (the caches refill: session 21, at
+too narrow when launches disagree, as launches can). The first ~3 steps of a
+block after another model's cost 2.5-4 ms more than the rest (the caches refill; measured at
 3.2 ms steps), 1.3-2% of a 62-step block and possibly unequal between variants; ``--steps 248``
 (four samples per ADP block) cuts that share to ~0.4%.
 

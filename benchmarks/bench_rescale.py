@@ -43,16 +43,16 @@ import time
 
 _T_START = time.time()  # before any heavy import: "python is running the script"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 PHASES = ("stop", "save", "exit", "spawn", "import", "group", "restore", "step")
 

@@ -4,73 +4,52 @@
                                      [--load 1.0 [0.5 ...]] [--seed 0 [1 2 ...]]
                                      [--processes 1] [--traces DIR] [--json OUT.json]
 
-The whole table of our policy's target (16 files, three seeds, two simulations at a time):
+The whole table of the default policy's target (16 files, three seeds, two at a time):
 
     python benchmarks/bench_sched.py --load 0.5 1.0 1.5 2.0 --workloads 1 3 5 6 \
         --policies waterfill --seed 0 1 2 --processes 2
 
-For every (workload, policy) it replays the full workload in our simulator and prints the
+For every (workload, policy) it replays the full workload in the simulator and prints the
 average JCT, its ratio to the authors' stored figure for the same policy (fidelity) and to the
-stored Pollux figure (the target for our policy is <= 0.90), the policy's seconds per round
-and the wall time of the whole simulation. All figures of one table come from one run.
-``--seed`` seeds the genetic searches (our policy's refinement and Pollux's); Tiresias and
-Optimus are deterministic. The seed-to-seed scatter of our policy is 1-3% on one file, so
+stored Pollux figure (the target of the default policy is <= 0.90), the policy's seconds per
+round and the wall time of the whole simulation. All figures of one table come from one run.
+``--seed`` seeds the genetic searches (the default policy's and Pollux's); Tiresias and Optimus
+are deterministic. The seed-to-seed scatter of the default policy is 1-3% on one file, so
 ``--seed 0 1 2`` runs every (workload, policy) once per seed (Tiresias and Optimus once) and
-adds a ``median`` row: the median average JCT over the seeds and its ratios (the repetitions
-and median of ``BENCHMARKS.md``), the largest seconds per round and the summed wall time. A
-closing summary lists, per policy, the files whose ratio to stored Pollux is <= 0.90 by the
-median and under every seed. The JSON rows (``--json``) carry the seed, or ``"median"``. A
-Ctrl-C ends the run with status 130 and loses nothing finished: the rows printed so far stand,
-and ``--json`` gets them.
+adds a ``median`` row: the median average JCT over the seeds and its ratios, the largest
+seconds per round and the summed wall time. A closing summary lists, per policy, the files
+whose ratio to stored Pollux is <= 0.90 by the median and under every seed. The JSON rows
+(``--json``) carry the seed, or ``"median"``. A Ctrl-C ends the run with status 130 and loses
+nothing finished: the rows printed so far stand, and ``--json`` gets them.
 ``--processes N`` runs N simulations side by side (a process pool); the figures are the same
 (each simulation is deterministic given its seed), but the wall times then include the
-contention: time the < 5 min target with ``--processes 1`` on an otherwise idle host.
+contention: time a single file with ``--processes 1`` on an otherwise idle host.
 
-The wall times swing with the host's speed at the hour (the heaviest file took 162-283 s alone
-on the code since session 35, ``benchmarks/results/sched.md``), so the header and the closing
-lines give a host probe: the time of 3 M pure-Python additions (median of 3), read before and
-after the runs, the yardstick for comparing wall times taken at different hours (about 0.2 s on
-this host at its fastest). The header also names numpy's SIMD extensions and the BLAS kernels
-numpy and scipy loaded: the JCTs are deterministic on one host, and readings can be expected to
-agree only between hosts that print the same two lines (``OPENBLAS_CORETYPE=Haswell`` pins the
-kernels on any AVX2 host; sessions 53 and 54, ``benchmarks/results/sched.md``).
+The wall times swing with the host's speed at the hour, so the header and the closing lines
+give a host probe: the time of 3 M pure-Python additions (median of 3), read before and after
+the runs, the yardstick for comparing wall times taken at different hours. The header also
+names numpy's SIMD extensions and the BLAS kernels numpy and scipy loaded: the JCTs are
+deterministic on one host, and readings agree only between hosts that print the same two lines
+(``docs/scheduling.md`` says why).
 
-Besides the CLI's policies, ``waterfill-noexplore`` is our default policy with its exploration
-beyond each job's largest tried size turned off (``WaterfillPolicy(explore_beta=None)``), the
-same-run reference for what that exploration brings; ``waterfill-noramp`` likewise turns off the
-ramp credit (``WaterfillPolicy(ramp_credit=None)``), ``waterfill-cap2`` keeps AdaptDL's 2x
-exploration cap (``explore_growth=None``) and ``waterfill-first1`` starts every job on one GPU
-(``first_replicas=None``).
+Besides the CLI's policies, named variants turn one rule of the default policy off, the
+same-run reference for what that rule brings (``docs/scheduling.md``):
+``waterfill-noexplore`` (``Exploration(beta=None)``), ``waterfill-noramp``
+(``Exploration(ramp_credit=None)``), ``waterfill-cap2`` (AdaptDL's exploration cap,
+``Exploration(growth=None)``), ``waterfill-first1`` (every job starts on one GPU,
+``Exploration(first_replicas=None)``), ``waterfill-flatexplore``
+(``Exploration(observed=False)``), ``waterfill-nofuture`` (``Objective(future_gamma=None)``),
+``waterfill-nogrow`` (``Growth(payback=None, payback_remaining=False)``) and
+``waterfill-noend`` (``Growth(payback_remaining=False)``).
 
-``waterfill-nofuture`` keeps each job's remaining-work weight undivided by its speed to come
-(``future_gamma=None``): the session-25 default, the same-run reference for session 27's change.
-
-``waterfill-nogrow`` prices a running job's growth by Pollux's restart penalty alone
-(``grow_payback=None, payback_remaining=False``): the session-27 default, the same-run reference
-for session 28's change. ``waterfill-noend`` keeps the growth floor's horizon at
-``grow_payback`` rounds for a job about to end (``payback_remaining=False``): the session-28
-default, the same-run reference for session 31's change.
-
-``waterfill-patience10`` and ``waterfill-patience25`` stop each round's genetic refinement
-after 10 or 25 generations in a row without a fitter candidate (``genetic_patience``, session
-32): less policy time, at a cost in JCT measured in ``benchmarks/results/sched.md``.
-
-Parameter screens: ``--set KEY=VALUE ...`` builds the ``waterfill`` policy as
-``WaterfillPolicy(KEY=VALUE, ..., seed=SEED)`` (values read as Python literals: numbers,
-``None``, ``True``; anything else as a string), every other parameter at its default. Its rows
-are labelled ``waterfill*`` and carry the settings in the JSON (``waterfill_kwargs``), so a
-screen of one parameter over seeds is one command, e.g. the session-37 row of
-``benchmarks/results/sched.md``:
+Parameter screens: ``--set GROUP.FIELD=VALUE ...`` builds the ``waterfill`` policy with those
+settings of its configuration (``adaptrain.sched.config``; values read as Python literals:
+numbers, ``None``, ``True``; anything else as a string), every other setting at its default.
+Its rows are labelled ``waterfill*`` and carry the settings in the JSON (``waterfill_kwargs``),
+so a screen of one setting over seeds is one command:
 
     python benchmarks/bench_sched.py --load 1.0 --workloads 3 --policies waterfill \
-        --seed 0 1 2 --processes 2 --set ramp_credit=2
-
-``waterfill-flatexplore`` values every long job beyond its tried size at ``s(r0) (r / r0) ** 0.5``
-at least, without capping the exponent by the job's scaling so far (``explore_observed=False``).
-
-Speed: with numba installed the genetic searches run their per-generation work as compiled
-kernels with the same results (``adaptrain.sched._kernels``); ``--numpy-search`` runs their
-numpy code instead, the same-command reference for the kernels' speed (session 57).
+        --seed 0 1 2 --processes 2 --set exploration.ramp_credit=2
 
 Arrivals: ``waterfill`` places a job as it arrives, on free GPUs (``allocate_job``, as AdaptDL's
 allocator does); ``waterfill-rounds`` makes new jobs wait for the next round instead. ``pollux``
@@ -85,8 +64,8 @@ import argparse
 import ast
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
-import inspect
 import json
 import os
 import platform
@@ -100,37 +79,66 @@ import scipy
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from adaptrain.cli.simulate import POLICIES, make_policy  # noqa: E402
-from adaptrain.sched import PolluxPolicy, WaterfillPolicy, _kernels  # noqa: E402
-from adaptrain.sim.simulator import Simulator  # noqa: E402
-from adaptrain.sim.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
+from adaptrain.cli.simulate import POLICIES, make_policy
+from adaptrain.sched import (
+    Arrivals,
+    Exploration,
+    Growth,
+    Objective,
+    PolluxPolicy,
+    Search,
+    Sharing,
+    WaterfillPolicy,
+)
+from adaptrain.sim.simulator import Simulator
+from adaptrain.sim.traces import load_applications, load_workload
+
+# The artifact's data folder beside the checkout: its traces/ (the default --traces) and, in
+# its parent, the workloads and stored results these scripts read.
+_SHARED_TRACES = os.path.normpath(
+    os.path.join(HERE, "..", "..", "shared", "data", "pollux", "traces")
+)
+
+
+def default_traces_dir() -> str | None:
+    """``../shared/data/pollux/traces`` beside the checkout (with the workloads and stored
+    results in its parent folder), or None."""
+    return _SHARED_TRACES if os.path.isdir(_SHARED_TRACES) else None
+
 
 VARIANTS = {
-    "waterfill-noexplore": lambda seed: WaterfillPolicy(explore_beta=None, seed=seed),
-    # without the credit for the ramp a capped job's next step unlocks (session 12)
-    "waterfill-noramp": lambda seed: WaterfillPolicy(ramp_credit=None, seed=seed),
-    # AdaptDL's exploration cap (2x the largest size tried) instead of our 4x (session 23)
-    "waterfill-cap2": lambda seed: WaterfillPolicy(explore_growth=None, seed=seed),
-    # a job never run starts on 1 GPU (the allocator's rule) instead of up to 4 (session 24)
-    "waterfill-first1": lambda seed: WaterfillPolicy(first_replicas=None, seed=seed),
-    # three independent genetic refinements per round, the fittest kept (about 3x the time)
-    "waterfill-3runs": lambda seed: WaterfillPolicy(genetic_runs=3, seed=seed),
-    # exploration's floor exponent not capped by the job's observed scaling (session 25)
-    "waterfill-flatexplore": lambda seed: WaterfillPolicy(explore_observed=False, seed=seed),
-    # weights not divided by the job's speed at its fair share (the session-25 default)
-    "waterfill-nofuture": lambda seed: WaterfillPolicy(future_gamma=None, seed=seed),
-    # growth priced by Pollux's restart penalty alone (the session-27 default)
-    "waterfill-nogrow": lambda seed: WaterfillPolicy(
-        grow_payback=None, payback_remaining=False, seed=seed
+    "waterfill-noexplore": lambda seed: WaterfillPolicy(
+        exploration=Exploration(beta=None), seed=seed
     ),
-    # the growth floor's horizon not shortened to a job's remaining time (session-28 default)
-    "waterfill-noend": lambda seed: WaterfillPolicy(payback_remaining=False, seed=seed),
-    # the genetic refinement stops after 10 / 25 generations without a fitter candidate
-    "waterfill-patience10": lambda seed: WaterfillPolicy(genetic_patience=10, seed=seed),
-    "waterfill-patience25": lambda seed: WaterfillPolicy(genetic_patience=25, seed=seed),
-    # new jobs wait for the next round (session 25)
+    # without the credit for the ramp a capped job's next step unlocks
+    "waterfill-noramp": lambda seed: WaterfillPolicy(
+        exploration=Exploration(ramp_credit=None), seed=seed
+    ),
+    # AdaptDL's exploration cap (2x the largest size tried) instead of 4x
+    "waterfill-cap2": lambda seed: WaterfillPolicy(exploration=Exploration(growth=None), seed=seed),
+    # a job never run starts on 1 GPU (the allocator's rule) instead of up to 4
+    "waterfill-first1": lambda seed: WaterfillPolicy(
+        exploration=Exploration(first_replicas=None), seed=seed
+    ),
+    # exploration's floor exponent not capped by the job's observed scaling
+    "waterfill-flatexplore": lambda seed: WaterfillPolicy(
+        exploration=Exploration(observed=False), seed=seed
+    ),
+    # weights not divided by the job's speed at its fair share
+    "waterfill-nofuture": lambda seed: WaterfillPolicy(
+        objective=Objective(future_gamma=None), seed=seed
+    ),
+    # growth priced by Pollux's restart penalty alone
+    "waterfill-nogrow": lambda seed: WaterfillPolicy(
+        growth=Growth(payback=None, payback_remaining=False), seed=seed
+    ),
+    # the growth floor's horizon not shortened to a job's remaining time
+    "waterfill-noend": lambda seed: WaterfillPolicy(
+        growth=Growth(payback_remaining=False), seed=seed
+    ),
+    # new jobs wait for the next round
     "waterfill-rounds": lambda seed: WaterfillPolicy(seed=seed),
-    # our Pollux with AdaptDL's placement of a job on arrival (session 25)
+    # our Pollux with AdaptDL's placement of a job on arrival
     "pollux-arrive": lambda seed: PolluxPolicy(seed=seed),
 }
 # the simulator's rule for new jobs: placed on arrival, or waiting for the next round
@@ -143,7 +151,7 @@ def blas_label() -> str:
     unless ``OPENBLAS_CORETYPE`` names them, and they set the summation order of the goodput
     fits' dot products and of L-BFGS-B's own: with ``OPENBLAS_CORETYPE=Sandybridge`` alone,
     workload-3 at load 1.0 read 0.930 of stored Pollux under seed 0, against 0.923 with this
-    host's own ``Haswell`` (session 54, ``benchmarks/results/sched.md``)."""
+    host's own ``Haswell`` (``docs/scheduling.md``)."""
     import scipy.optimize  # noqa: F401 - loads scipy's own BLAS, which the scan must find
 
     try:
@@ -160,16 +168,9 @@ def blas_label() -> str:
     return "BLAS: " + (", ".join(sorted(libs)) or "none found")
 
 
-_KERNELS_INSTALLED = _kernels.AVAILABLE  # numba importable (before any --numpy-search)
-
-
-def search_label(numpy_search: bool) -> str:
-    """Which code runs the genetic searches' generations: numba's compiled kernels
-    (``adaptrain.sched._kernels``) or numpy's code; the same results either way."""
-    if not _KERNELS_INSTALLED:
-        return "numpy code (numba not installed)"
-    if numpy_search:
-        return "numpy code (--numpy-search)"
+def search_label() -> str:
+    """What runs the genetic searches' generations: numba's compiled kernels
+    (``adaptrain.sched._kernels``), with numba's version."""
     import numba
 
     return f"compiled kernels (numba {numba.__version__})"
@@ -180,7 +181,7 @@ def simd_label() -> str:
     ``log`` and OpenBLAS's kernels pick a code path by CPU (AVX-512 where present) whose last
     bits can differ, and a simulation amplifies such bits into other schedules: the JCT
     figures are deterministic on one host, and only hosts that print the same line can be
-    expected to agree (session 53, ``benchmarks/results/sched.md``)."""
+    expected to agree (``docs/scheduling.md``)."""
     try:
         simd = np.show_config(mode="dicts")["SIMD Extensions"]
     except (KeyError, TypeError):  # a numpy without the dict form
@@ -197,8 +198,8 @@ PROBE_LABEL = f"{PROBE_ADDITIONS / 1e6:g} M Python additions, median of 3"
 def host_probe(n: int = PROBE_ADDITIONS, reps: int = 3) -> float:
     """Seconds for ``n`` pure-Python additions, the median of ``reps`` timings: the host's
     speed at the hour, read beside the wall times (see the module docstring)."""
-    # module-level code (names in a dict, as under ``python -c``), the loop that sessions
-    # 32-41 of benchmarks/results/sched.md timed by hand, so the readings compare
+    # module-level code (names in a dict, as under ``python -c``), so the readings compare
+    # with the same loop timed by hand
     code = compile(f"s = 0\nfor i in range({int(n)}):\n    s += i\n", "<host probe>", "exec")
     times = []
     for _ in range(reps):
@@ -212,15 +213,33 @@ def _policy(name: str, seed: int = 0, settings: dict | None = None):
     if settings:  # a parameter screen (--set), the other parameters at their defaults
         if name != "waterfill":
             raise ValueError(f"--set configures the waterfill policy, not {name!r}")
-        return WaterfillPolicy(**settings, seed=seed)
+        return waterfill_with(settings, seed)
     return VARIANTS[name](seed) if name in VARIANTS else make_policy(name, seed)
 
 
-SETTABLE = tuple(p for p in inspect.signature(WaterfillPolicy).parameters if p != "seed")
+# the configuration groups of WaterfillPolicy (``--set GROUP.FIELD=VALUE``)
+GROUPS = {
+    "objective": Objective,
+    "exploration": Exploration,
+    "growth": Growth,
+    "arrivals": Arrivals,
+    "sharing": Sharing,
+    "search": Search,
+}
+SETTABLE = tuple(f"{g}.{f.name}" for g, cls in GROUPS.items() for f in dataclasses.fields(cls))
+
+
+def waterfill_with(settings: dict, seed: int = 0) -> WaterfillPolicy:
+    """The default policy with ``settings`` (``{"group.field": value}``) changed."""
+    groups: dict[str, dict] = {}
+    for key, value in settings.items():
+        group, _, field = key.partition(".")
+        groups.setdefault(group, {})[field] = value
+    return WaterfillPolicy(**{g: GROUPS[g](**fields) for g, fields in groups.items()}, seed=seed)
 
 
 def parse_settings(items: list[str]) -> dict:
-    """``KEY=VALUE`` strings as ``WaterfillPolicy`` keyword arguments: each value a Python
+    """``GROUP.FIELD=VALUE`` strings as the default policy's settings: each value a Python
     literal (``2``, ``0.5``, ``None``, ``True``) or else the string as given. Raises
     ``ValueError`` naming a malformed item, an unknown or repeated key, or a value the policy
     rejects (it is built once here, so a bad screen fails before any simulation)."""
@@ -229,11 +248,13 @@ def parse_settings(items: list[str]) -> dict:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. ramp_credit=2")
+            raise ValueError(
+                f"--set {item!r}: expected GROUP.FIELD=VALUE, e.g. exploration.ramp_credit=2"
+            )
         if key not in SETTABLE:
             raise ValueError(
-                f"--set {item!r}: WaterfillPolicy has no parameter {key!r} (the seed comes "
-                f"from --seed); choose from {', '.join(SETTABLE)}"
+                f"--set {item!r}: the policy has no setting {key!r} (the seed comes from "
+                f"--seed); choose from {', '.join(SETTABLE)}"
             )
         if key in out:
             raise ValueError(f"--set {item!r}: {key} is set twice")
@@ -242,7 +263,7 @@ def parse_settings(items: list[str]) -> dict:
         except (ValueError, SyntaxError):
             out[key] = raw.strip()
     try:
-        WaterfillPolicy(**out)
+        waterfill_with(out)
     except (TypeError, ValueError) as e:
         raise ValueError(f"--set {' '.join(items)}: {e}") from None
     return out
@@ -259,7 +280,7 @@ def median_row(rows: list[dict]) -> dict:
     the ratio to stored Pollux of every seed (``ratios_to_stored_pollux``), and their mean and
     sample standard deviation (``ratio_mean``, ``ratio_sd``; ``None`` without a stored figure,
     the deviation also with one seed). The genetic search's seed moves a file's ratio by
-    0.5-1.4 points (sd; session 45), so a lever needs about ten seeds to resolve a point."""
+    0.5-1.4 points (sd), so a lever needs about ten seeds to resolve a point."""
     if not rows:
         raise ValueError("median_row needs at least one row")
     avg = float(statistics.median(r["avg_jct"] for r in rows))
@@ -353,12 +374,6 @@ def main() -> int:
         "policy decides (the same results); default 1 with --processes 1 on >= 2 cpus, else 0",
     )
     parser.add_argument(
-        "--numpy-search",
-        action="store_true",
-        help="run the genetic searches' numpy code, not their compiled kernels (the same "
-        "results; a reference for the kernels' speed)",
-    )
-    parser.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -387,7 +402,7 @@ def main() -> int:
         f"{args.fit_workers} fit worker(s) each"
     )
     print(f"numpy {np.__version__}, scipy {scipy.__version__}, {simd_label()}")
-    print(f"genetic searches: {search_label(args.numpy_search)}")
+    print(f"genetic searches: {search_label()}")
     print(blas_label())
     if settings:
         given = ", ".join(f"{k}={v!r}" for k, v in settings.items())
@@ -408,7 +423,6 @@ def main() -> int:
                 seed,
                 settings if pol == "waterfill" else {},
                 args.fit_workers,
-                args.numpy_search,
             )
             for seed in (args.seed[:1] if pol in DETERMINISTIC else args.seed)
         ]
@@ -523,14 +537,10 @@ def _applications(traces: str) -> dict:
 
 def _run(task: tuple) -> dict:
     """One simulation, ``task = (traces, load, workload number, policy, seed, settings[,
-    fit_workers[, numpy_search]])`` (``settings``: :func:`parse_settings`'s keyword arguments,
-    or empty; ``fit_workers``: the simulator's, default 0; ``numpy_search``: the genetic
-    searches' numpy code, not their kernels, default False): its row."""
+    fit_workers])`` (``settings``: :func:`parse_settings`'s keyword arguments, or empty;
+    ``fit_workers``: the simulator's, default 0): its row."""
     traces, load, wl, pol, seed, settings, *rest = task
     fit_workers = rest[0] if rest else 0
-    numpy_search = rest[1] if len(rest) > 1 else False
-    # the searches read this flag at each call (a run in a pool's process sets its own)
-    _kernels.AVAILABLE = _KERNELS_INSTALLED and not numpy_search
     data_dir = os.path.dirname(os.path.normpath(traces))
     wdir = "workloads" if load == "1.0" else f"workloads-{load}"
     name = f"workload-{wl}"
@@ -561,7 +571,6 @@ def _run(task: tuple) -> dict:
         "p99_jct": s["p99_jct"],
         "policy_s_per_round": s["policy_s_per_round"],
         "wall_s": wall,
-        "genetic_search": "kernels" if _kernels.AVAILABLE else "numpy",  # which code ran
     }
     if settings:
         row["waterfill_kwargs"] = dict(settings)

@@ -6,7 +6,7 @@ child that loads sklearn's bundled digits imports sklearn (about 1 s); without t
 every child pays those imports again. Arms, each in its own fresh interpreter (a process keeps
 the fork server it started first):
 
-- ``before``: the preload of the code before session 36 (torch, torch.distributed, numpy);
+- ``before``: the earlier, smaller preload (torch, torch.distributed, numpy);
 - ``default``: the current preload (adds torch._dynamo);
 - ``sklearn``: the default plus ``preload=["sklearn.datasets"]`` (what the test session uses).
 
@@ -51,7 +51,7 @@ def _arm(arm: str, calls: int) -> dict:
     # the module itself: adaptrain.dist re-exports its function under the same name
     sp = importlib.import_module("adaptrain.dist.spawn")
 
-    if arm == "before":  # the code before session 36 (a private list, for this reference only)
+    if arm == "before":  # the earlier preload (a private list, for this reference only)
         sp._PRELOAD = ["torch", "torch.distributed", "numpy"]
     preload = ["sklearn.datasets"] if arm == "sklearn" else []
     t0 = time.perf_counter()

@@ -9,8 +9,7 @@ For each task, 2 gloo replicas train until a validation target is reached; the f
   **default** is ``B = B0`` (what a user who does not tune the batch size runs). The table also
   gives each variant's ratio to the fastest sweep member *of each repetition*; that minimum over
   several noisy runs is biased low by the run-to-run scatter (the oracle's own ratio to it shows
-  by how much), so it is the stricter and less stable reference. Until session 9 it was the
-  oracle.
+  by how much), so it is the stricter and less stable reference.
 * ``adaptrain``: ``adaptrain.torch`` with ``autoscale_batch_size`` (initial batch ``B0``, gradient
   accumulation allowed), the scaling rule AdaptiveDataParallel picks (AdamScale for Adam,
   AdaScale for SGD, as AdaptDL 0.2.11); ``adaptrain-adascale`` (Adam tasks): the same with
@@ -28,21 +27,20 @@ Tasks (real data):
 * ``digits``: DigitsNet CNN on sklearn's digits, SGD+momentum ``lr0 = 0.02``; target: test
   accuracy ≥ ``--digits-target``.
 
-Each repetition ``k`` shuffles with seed ``k``: the sweep's ``DistributedSampler`` and, since
-session 14, adaptrain's ``ElasticSampler`` (before, every adaptrain repetition replayed
-repetition 0's data order); AdaptDL's sampler is seeded by the epoch only.
+Each repetition ``k`` shuffles with seed ``k``: the sweep's ``DistributedSampler`` and
+adaptrain's ``ElasticSampler``; AdaptDL's sampler is seeded by the epoch only.
 
 A run that misses the target within ``--limit`` seconds of training counts as ``inf``.
 Every run collects Python's garbage once (``gc.collect()``) just before its clock starts. A
 full collection takes ~0.2 s in these processes (torch, ``torch._dynamo`` and scipy imported),
 as long as 20–30% of a digits run, and whether setup's allocations trigger it just before or
-just after the clock starts depended on a few thousand objects more or less: it fell inside
-the timed window of some variants and not others (session 11, with ``gc.callbacks``).
+just after the clock starts depends on a few thousand objects more or less: it would fall
+inside the timed window of some variants and not others (as ``gc.callbacks`` shows).
 Collections that a variant's own training causes stay in its time.
 Ratios (``autoscale / oracle``, ``autoscale / default``) are taken within each repetition, whose
 variants run back to back in a rotating order, then the median over repetitions is reported;
 a repetition whose reference missed the target gives no ratio and is left out (the table then
-says over how many repetitions the median is; until session 11 it entered as 0 or nan).
+says over how many repetitions the median is).
 
     python benchmarks/bench_time_to_target.py                      # both tasks, 3 repetitions
     python benchmarks/bench_time_to_target.py --tasks digits --reps 1
@@ -51,9 +49,9 @@ says over how many repetitions the median is; until session 11 it entered as 0 o
 ``--variants`` also takes ``fixed-B@LR``: batch ``B`` at the absolute learning rate ``LR`` (a
 point tuned by hand); it joins the sweep, so the oracle is the best of both. And
 ``adaptrain-explore-T``: autoscale with the exploration tolerance ``T`` of
-``_metrics.suggest_batch_size`` (default 0.5; 0.1 until session 10), and ``adaptrain-stall-F``:
+``_metrics.suggest_batch_size`` (default 0.5), and ``adaptrain-stall-F``:
 autoscale with the step-time fit's stall threshold ``_metrics.STALL_FACTOR`` set to ``F``
-(default 3; ``inf`` keeps every step, the plain mean used until session 11).
+(default 3; ``inf`` keeps every step: the plain mean).
 ``--b0`` changes the user's default batch (autoscale's initial batch and the base of the linear
 rule); the sweep keeps its multiples of it (``--sweep`` overrides) and the smallest local batch
 autoscale may use is lowered to ``B0 / 2`` when needed.

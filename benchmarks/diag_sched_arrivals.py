@@ -24,9 +24,25 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from adaptrain.sched import WaterfillPolicy  # noqa: E402
-from adaptrain.sched._arrivals import ArrivalRate  # noqa: E402
-from adaptrain.sim.traces import default_traces_dir, load_workload  # noqa: E402
+from adaptrain.sched import (
+    Search,
+    WaterfillPolicy,
+)
+from adaptrain.sched._arrivals import ArrivalRate
+from adaptrain.sim.traces import load_workload
+
+# The artifact's data folder beside the checkout: its traces/ (the default --traces) and, in
+# its parent, the workloads and stored results these scripts read.
+_SHARED_TRACES = os.path.normpath(
+    os.path.join(HERE, "..", "..", "shared", "data", "pollux", "traces")
+)
+
+
+def default_traces_dir() -> str | None:
+    """``../shared/data/pollux/traces`` beside the checkout (with the workloads and stored
+    results in its parent folder), or None."""
+    return _SHARED_TRACES if os.path.isdir(_SHARED_TRACES) else None
+
 
 GPUS = 64
 
@@ -58,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if traces is None:
         raise SystemExit("no shared/data/pollux next to the checkout")
     data = os.path.dirname(traces)
-    policy = WaterfillPolicy(search="local")
+    policy = WaterfillPolicy(search=Search(method="local"))
     print(f"sparse_rate {policy.sparse_rate} per GPU-hour = {policy.sparse_rate * GPUS:.2f}/h")
     print(f"{'load':>4} {'file':>11} {'jobs':>5}  rate per GPU-hour (per hour)    gate open")
     for load in args.loads:

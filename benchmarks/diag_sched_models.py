@@ -60,11 +60,26 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
 
-from adaptrain.core.goodput import GoodputFunction, fit_perf_params  # noqa: E402
-from adaptrain.sched import WaterfillPolicy  # noqa: E402
-from adaptrain.sched.speedup import SpeedupFunction  # noqa: E402
-from adaptrain.sim.simulator import SimJob, Simulator  # noqa: E402
-from adaptrain.sim.traces import default_traces_dir, load_applications, load_workload  # noqa: E402
+from adaptrain.core.goodput import GoodputFunction, fit_perf_params
+from adaptrain.sched import (
+    ClusterSpec,
+    WaterfillPolicy,
+)
+from adaptrain.sched.speedup import SpeedupFunction
+from adaptrain.sim.simulator import SimJob, Simulator
+from adaptrain.sim.traces import load_applications, load_workload
+
+# The artifact's data folder beside the checkout: its traces/ (the default --traces) and, in
+# its parent, the workloads and stored results these scripts read.
+_SHARED_TRACES = os.path.normpath(
+    os.path.join(HERE, "..", "..", "shared", "data", "pollux", "traces")
+)
+
+
+def default_traces_dir() -> str | None:
+    """``../shared/data/pollux/traces`` beside the checkout (with the workloads and stored
+    results in its parent folder), or None."""
+    return _SHARED_TRACES if os.path.isdir(_SHARED_TRACES) else None
 
 
 class FullModelSimulator(Simulator):
@@ -184,8 +199,10 @@ def main() -> int:
             return Simulator(workload, apps, policy).run()
         if mode in FREE_KINDS:
             return FreeRestartSimulator(workload, apps, policy, free_kinds=FREE_KINDS[mode]).run()
-        if mode == "no-delay":
-            return Simulator(workload, apps, policy, restart_delay=0.0).run()
+        if mode == "no-delay":  # the policy knows restarts are free, too
+            free = ClusterSpec(restart_delay=0.0)
+            policy = WaterfillPolicy(cluster=free, seed=args.seed)
+            return Simulator(workload, apps, policy, cluster=free).run()
         return FullModelSimulator(
             workload, apps, policy, full_params=full, cap=mode == "full"
         ).run()

@@ -7,4 +7,5 @@ python3 -m pip install -q -e ".[test]"
 # Reference implementations used only to cross-check ours (pinned, no dependency resolution).
 python3 -m pip install -q --no-deps fairscale==0.4.13 || echo "fairscale unavailable: its cross-checks will skip"
 ruff check src tests benchmarks examples
+lint-imports  # the layer rule: .importlinter
 python3 -m pytest -q "$@"

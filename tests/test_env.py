@@ -1,5 +1,5 @@
-"""``adaptrain.env``: precedence of ADAPTRAIN_* over torchrun's variables, and the rendezvous
-under torchrun (a real torchrun launch)."""
+"""``adaptrain.env``: precedence of ADAPTRAIN_* over torchrun's variables, the rendezvous under
+torchrun (a real torchrun launch), and one warning per stray variable."""
 
 from __future__ import annotations
 
@@ -169,3 +169,29 @@ def test_a_zero_local_world_size_names_the_variable(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "0")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE=0"):
         env.num_nodes()
+
+
+@pytest.mark.usefixtures("fresh_checkpoints")
+def test_a_stray_variable_under_torchrun_is_warned_of_once(monkeypatch, caplog) -> None:
+    # Every micro-batch's step-time profile asks num_nodes() -> num_replicas(): the warning is
+    # logged once, not at each of them.
+    from adaptrain.torch import _metrics
+
+    monkeypatch.setattr(env, "_warned", set(), raising=False)
+    monkeypatch.delenv("ADAPTRAIN_NUM_NODES", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", "5")
+    with caplog.at_level("WARNING", logger="adaptrain.env"):
+        for _ in range(20):
+            _metrics.profile_step_start(8)
+            _metrics.profile_step_commit()
+        assert env.num_replicas() == 2
+    warned = [r for r in caplog.records if "ADAPTRAIN_NUM_REPLICAS=5 ignored" in r.message]
+    assert len(warned) == 1
+    # Another stray value is news: warned of too.
+    monkeypatch.setenv("ADAPTRAIN_NUM_REPLICAS", "6")
+    with caplog.at_level("WARNING", logger="adaptrain.env"):
+        env.num_replicas()
+    assert "ADAPTRAIN_NUM_REPLICAS=6 ignored" in caplog.text

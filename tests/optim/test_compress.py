@@ -471,7 +471,7 @@ def test_count_sketch_is_linear_and_unbiased():
         count_sketch(x, 0, 1)
 
 
-# ---------------------------------------------------------------- review fixes (top-k ties)
+# ---------------------------------------------------------------- top-k ties
 
 
 def test_topk_indices_break_ties_by_lowest_index():

@@ -650,7 +650,7 @@ def test_sparsify_gradients_indices_are_exact_in_half_precision():
     assert small.sparsify_gradients(q, 0.1).dtype == torch.float32  # the parameter's dtype
 
 
-# ---------------------------------------------------------------- review fixes
+# ----- parameters without gradient, added groups, hooks, fp16 state, neighbour graphs, sparse
 
 
 class _Branches(torch.nn.Module):
@@ -1167,7 +1167,7 @@ def test_centralized_densifies_sparse_gradients():
         agg.reduce_([torch.eye(3).to_sparse()])
 
 
-# ---------------------------------------------------------------- review fixes (2)
+# ----- parameters without gradient (EF-sign), argument checks, a decentralized world of one
 
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])

@@ -1,4 +1,4 @@
-"""The faster PowerSGD compressor (session 20): batched Gram–Schmidt / QR orthogonalisation, one
+"""The faster PowerSGD compressor: batched Gram–Schmidt / QR orthogonalisation, one
 host sync and two all-reduces per update, the transposed factor layout; against a plain
 per-matrix reference and against ``torch.linalg.qr``."""
 

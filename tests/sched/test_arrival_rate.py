@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_waterfill_behaviour import _cluster, _jobs
+from _sched_cases import cluster as _cluster
+from _sched_cases import random_jobs as _jobs
 
-from adaptrain.sched import NodeInfo, WaterfillPolicy
+from adaptrain.sched import Arrivals, Growth, NodeInfo, Objective, Search, WaterfillPolicy
 from adaptrain.sched._arrivals import ArrivalRate
 
 HOUR = 3600.0
@@ -102,18 +103,24 @@ def test_sparse_arrivals_use_the_flatter_theta(seed):
     nodes = _cluster()
     now = 9 * HOUR
     sparse, dense = _spread(_jobs(9, seed), HOUR), _spread(_jobs(9, seed), 450.0)
-    flat = WaterfillPolicy(search="local", sparse_theta=None, theta=48 * HOUR)
-    steep = WaterfillPolicy(search="local", sparse_theta=None)
+    flat = WaterfillPolicy(
+        search=Search(method="local"),
+        arrivals=Arrivals(sparse_theta=None),
+        objective=Objective(theta=48 * HOUR),
+    )
+    steep = WaterfillPolicy(search=Search(method="local"), arrivals=Arrivals(sparse_theta=None))
     want_flat = _counts(flat.optimize(sparse, nodes, {}, now))
     assert want_flat != _counts(steep.optimize(sparse, nodes, {}, now))
 
-    gated = WaterfillPolicy(search="local")
+    gated = WaterfillPolicy(search=Search(method="local"))
     assert _counts(gated.optimize(sparse, nodes, {}, now)) == want_flat
     assert gated.theta_now == 48 * HOUR
-    gated = WaterfillPolicy(search="local")
+    gated = WaterfillPolicy(search=Search(method="local"))
     got = _counts(gated.optimize(dense, nodes, {}, now))
     assert got == _counts(
-        WaterfillPolicy(search="local", sparse_theta=None).optimize(dense, nodes, {}, now)
+        WaterfillPolicy(
+            search=Search(method="local"), arrivals=Arrivals(sparse_theta=None)
+        ).optimize(dense, nodes, {}, now)
     )
     assert gated.theta_now == 16 * HOUR
 
@@ -121,7 +128,7 @@ def test_sparse_arrivals_use_the_flatter_theta(seed):
 def test_gate_stays_shut_until_an_hour_of_arrivals_is_seen():
     nodes = {0: NodeInfo(4)}
     jobs = _spread(_jobs(3, 0), 1200.0)  # three jobs over 40 minutes
-    policy = WaterfillPolicy(search="local")
+    policy = WaterfillPolicy(search=Search(method="local"))
     policy.optimize(jobs, nodes, {}, 2400.0)
     assert policy.theta_now == policy.theta
 
@@ -156,9 +163,9 @@ def test_gated_policy_state_roundtrip_keeps_the_arrivals():
         ({"rate_window": 0.0}, "window"),
     ],
 )
-def test_waterfill_rejects_bad_gate_arguments(kwargs, match):
+def test_bad_arrival_settings_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        WaterfillPolicy(**kwargs)
+        Arrivals(**kwargs)
 
 
 def _second_round(policy, jobs, nodes, now):
@@ -180,9 +187,13 @@ def test_sparse_arrivals_use_the_sparse_growth_payback(search, seed):
     nodes, now = _cluster(), 9 * HOUR
     sparse, dense = _spread(_jobs(9, seed), HOUR), _spread(_jobs(9, seed), 450.0)
 
-    def make(**kw):
-        base = {"sparse_theta": None, "sparse_payback": None, "sparse_work": None}
-        return WaterfillPolicy(search=search, seed=seed, **{**base, **kw})
+    def make(grow_payback, sparse_payback=None):
+        return WaterfillPolicy(
+            search=Search(method=search),
+            seed=seed,
+            growth=Growth(payback=grow_payback),
+            arrivals=Arrivals(sparse_theta=None, sparse_payback=sparse_payback, sparse_work=None),
+        )
 
     cheap = _second_round(make(grow_payback=100.0), sparse, nodes, now)
     dear = _second_round(make(grow_payback=0.5), sparse, nodes, now)
@@ -201,14 +212,19 @@ def test_gate_without_sparse_theta_keeps_its_arrivals_in_the_state():
     """Any setting for sparse arrivals opens the gate: the arrivals travel in the state dict
     even without ``sparse_theta``, and none are kept without any such setting."""
     nodes, jobs = _cluster(), _spread(_jobs(5, 0), HOUR)
-    policy = WaterfillPolicy(search="local", sparse_theta=None, sparse_work=None)
+    policy = WaterfillPolicy(
+        search=Search(method="local"), arrivals=Arrivals(sparse_theta=None, sparse_work=None)
+    )
     policy.optimize(jobs, nodes, {}, 5 * HOUR)
     assert policy.sparse_now and len(policy.state_dict()["arrivals"]["keys"]) == 5
-    other = WaterfillPolicy(search="local", sparse_theta=None, sparse_work=None)
+    other = WaterfillPolicy(
+        search=Search(method="local"), arrivals=Arrivals(sparse_theta=None, sparse_work=None)
+    )
     other.load_state_dict(policy.state_dict())
     assert other.state_dict() == policy.state_dict()
     plain = WaterfillPolicy(
-        search="local", sparse_theta=None, sparse_payback=None, sparse_work=None
+        search=Search(method="local"),
+        arrivals=Arrivals(sparse_theta=None, sparse_payback=None, sparse_work=None),
     )
     plain.optimize(jobs, nodes, {}, 5 * HOUR)
     assert not plain.sparse_now and "arrivals" not in plain.state_dict()

@@ -4,17 +4,21 @@
 from __future__ import annotations
 
 import math
-import types
 
 import numpy as np
 import pytest
 
 from adaptrain.core.goodput import GoodputFunction, predict_step_times
-from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
+from adaptrain.sched import (
+    JobInfo,
+    LinearSpeedup,
+    NodeInfo,
+    Sharing,
+    WaterfillPolicy,
+    check_allocations,
+)
 from adaptrain.sched._calibration import CalibratedGoodput, ThroughputCalibration
 from adaptrain.sched.speedup import SpeedupFunction
-from adaptrain.sim import Simulator, WorkloadJob
-from adaptrain.sim.traces import load_applications
 
 # cheap synchronisation: the model scales well across nodes
 PERF = (0.02, 0.001, 0.05, 0.002, 0.01, 0.0005, 1.5)
@@ -184,7 +188,7 @@ def _two_node_trap(calibrate: bool, sizes=range(5, 9)) -> int:
         prof[(2, r, 32)] = (3.0 * _step(2, r, 32), 0.0)
     job = _job(prof, limit=8, r0=8, num_restarts=1, age=3600.0)
     nodes = {0: NodeInfo(4), 1: NodeInfo(4)}
-    pol = WaterfillPolicy(calibrate=calibrate, seed=0)
+    pol = WaterfillPolicy(sharing=Sharing(calibrate=calibrate), seed=0)
     alloc = pol.optimize({"j": job}, nodes, {}, 0.0)
     check_allocations(alloc, {"j": job}, nodes)
     return len(alloc["j"])
@@ -211,17 +215,4 @@ def test_policy_state_dict_holds_the_calibration():
     other = WaterfillPolicy(seed=0)
     other.load_state_dict(state)
     assert other.state_dict()["calibration"] == state["calibration"]
-    assert "calibration" not in WaterfillPolicy(calibrate=False).state_dict()
-
-
-def test_the_simulator_reports_each_job_s_measured_profile_read_only(tiny_traces):
-    apps = load_applications(tiny_traces)
-    sim = Simulator([WorkloadJob("j", 0.0, "toy", 1, 8)], apps, WaterfillPolicy(seed=0))
-    for _ in range(3):
-        sim.step()
-    job = sim.jobs[0]
-    info = sim.job_info(job)
-    assert isinstance(info.profile, types.MappingProxyType)
-    assert dict(info.profile) == job.profile and job.profile
-    for (n, r, b), (step, sync) in info.profile.items():
-        assert 1 <= n <= r and b >= 1 and step > 0 and sync >= 0
+    assert "calibration" not in WaterfillPolicy(sharing=Sharing(calibrate=False)).state_dict()

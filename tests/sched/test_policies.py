@@ -11,11 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adaptrain.sched import (
+    ClusterSpec,
+    Exploration,
     JobInfo,
     LinearSpeedup,
     NodeInfo,
     OptimusPolicy,
     PolluxPolicy,
+    Search,
     TiresiasPolicy,
     WaterfillPolicy,
     check_allocations,
@@ -98,10 +101,9 @@ def test_waterfill_respects_constraints(case, growth, first, min_nodes):
     allocator's cap without either rule. The node floor (``min_nodes``) changes none of it."""
     jobs, nodes, base = case
     policy = WaterfillPolicy(
-        gpus_per_node=max(n.gpus for n in nodes.values()),
-        explore_growth=growth,
-        first_replicas=first,
-        min_nodes=min_nodes,
+        search=Search(min_nodes=min_nodes),
+        cluster=ClusterSpec(gpus_per_node=max(n.gpus for n in nodes.values())),
+        exploration=Exploration(growth=growth, first_replicas=first),
     )
     alloc = {k: v for k, v in policy.optimize(jobs, nodes, base, 0.0).items() if v}
     check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
@@ -307,9 +309,11 @@ def test_free_restarts_and_a_job_of_age_zero(kind):
         }
         base = {"old": [0, 0, 0, 0, 1, 1, 1, 1]}
         if kind == "pollux":
-            policy = PolluxPolicy(pop_size=50, generations=50, restart_delay=0.0, seed=seed)
+            policy = PolluxPolicy(
+                cluster=ClusterSpec(restart_delay=0.0), pop_size=50, generations=50, seed=seed
+            )
         else:
-            policy = WaterfillPolicy(restart_delay=0.0, seed=seed)
+            policy = WaterfillPolicy(cluster=ClusterSpec(restart_delay=0.0), seed=seed)
         alloc = policy.optimize(jobs, nodes, base, 600.0)
         assert sum(len(v) for v in alloc.values()) == 8, (seed, alloc)  # no GPU left idle
 
@@ -347,7 +351,7 @@ def test_allocate_job_respects_free_gpus_and_bounds(case, first, data):
     free = {n: NodeInfo(info.gpus - used[n]) for n, info in nodes.items() if used[n] < info.gpus}
     key = data.draw(st.sampled_from(sorted(jobs)))
     job = jobs[key]
-    for policy in (WaterfillPolicy(first_replicas=first), PolluxPolicy()):
+    for policy in (WaterfillPolicy(exploration=Exploration(first_replicas=first)), PolluxPolicy()):
         alloc = policy.allocate_job(job, free)
         if alloc:
             check_allocations({key: alloc}, {key: job}, free, interference=True, policy=policy)

@@ -12,7 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from adaptrain.core.goodput import GoodputFunction, predict_step_times
-from adaptrain.sched import JobInfo, LinearSpeedup, NodeInfo, WaterfillPolicy, check_allocations
+from adaptrain.sched import (
+    Arrivals,
+    ClusterSpec,
+    JobInfo,
+    LinearSpeedup,
+    NodeInfo,
+    Search,
+    Sharing,
+    WaterfillPolicy,
+    check_allocations,
+)
 from adaptrain.sched._profiles import ApplicationProfiles
 from adaptrain.sched.speedup import SpeedupFunction
 
@@ -133,22 +143,25 @@ def test_profiles_state_round_trips_and_replays():
 
 
 def test_waterfill_widens_the_bound_from_the_application_and_round_trips_its_state():
-    policy = WaterfillPolicy(gpus_per_node=4, seed=0)
+    policy = WaterfillPolicy(cluster=ClusterSpec(gpus_per_node=4), seed=0)
     jobs = {"big": _job(GOOD, 16, age=3600.0), "small": _job(POOR, 2, age=600.0)}
     nodes = {i: NodeInfo(4) for i in range(8)}
     assert policy.replica_bound(jobs["small"]) == 8  # four times its own size, none observed
     alloc = policy.optimize(jobs, nodes, {}, 0.0)
     assert policy.replica_bound(jobs["small"]) == 32  # four times the application's largest
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, policy=policy)
-    off = WaterfillPolicy(gpus_per_node=4, seed=0, share_profiles=False)
+    off = WaterfillPolicy(
+        cluster=ClusterSpec(gpus_per_node=4), sharing=Sharing(profiles=False), seed=0
+    )
     off.optimize(jobs, nodes, {}, 0.0)
     assert off.replica_bound(jobs["small"]) == 8 and "profiles" not in off.state_dict()
     # the work prior for new jobs: on by default, off with share_work=False
     assert (
-        policy._profiles.work_prior and not WaterfillPolicy(share_work=False)._profiles.work_prior
+        policy._profiles.work_prior
+        and not WaterfillPolicy(sharing=Sharing(work=False))._profiles.work_prior
     )
     # save -> load -> replay: the same allocations
-    twin = WaterfillPolicy(gpus_per_node=4, seed=0)
+    twin = WaterfillPolicy(cluster=ClusterSpec(gpus_per_node=4), seed=0)
     twin.load_state_dict(policy.state_dict())
     a1 = a2 = alloc
     for t in (60.0, 120.0):
@@ -161,7 +174,7 @@ def test_waterfill_widens_the_bound_from_the_application_and_round_trips_its_sta
 # the application's true throughput: a per-replica network cost on multi-node sizes
 TRUE = (0.0174, 0.0007, 0.122, 0.0026, 0.033, 0.0009, 2.07)
 # a fit to the same step times on one node and on 64 GPUs over 16 nodes alone, degenerate: the
-# whole network cost fixed (as a cifar10 fit in benchmarks/results/sched.md, session 62)
+# whole network cost fixed (as a cifar10 fit in benchmarks/results/sched.md)
 DEGEN = (*TRUE[:2], TRUE[2] + 62 * TRUE[3], 1e-8, *TRUE[4:])
 
 
@@ -238,8 +251,8 @@ def test_pooled_profiles_round_trip_replay_and_errors():
     with pytest.raises(ValueError, match="pool=0"):
         ApplicationProfiles(pool=0)
     with pytest.raises(ValueError, match="pool=0"):
-        WaterfillPolicy(pool_fits=0)
-    assert WaterfillPolicy(pool_fits=3)._profiles.pool == 3
+        WaterfillPolicy(sharing=Sharing(pool=0))
+    assert WaterfillPolicy(sharing=Sharing(pool=3))._profiles.pool == 3
     state = prof.state_dict()
     with pytest.raises(ValueError, match="pairs"):
         twin.load_state_dict({**state, "configs": {"big": [1.0, 2.0, 3.0]}})
@@ -282,7 +295,9 @@ def test_waterfill_with_shared_profiles_respects_constraints(case):
     """Capacity, min replicas, interference avoidance and the policy's bound (widened by the
     application's largest size, never past a job's replica_limit), round after round."""
     jobs, nodes, base = case
-    policy = WaterfillPolicy(gpus_per_node=max(n.gpus for n in nodes.values()), seed=0)
+    policy = WaterfillPolicy(
+        cluster=ClusterSpec(gpus_per_node=max(n.gpus for n in nodes.values())), seed=0
+    )
     for t in (0.0, 60.0):
         alloc = {k: v for k, v in policy.optimize(jobs, nodes, base, t).items() if v}
         check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
@@ -307,13 +322,16 @@ def _labelled_round(every: float) -> dict[str, JobInfo]:
 
 
 def test_sparse_work_drops_the_work_prior_only_while_arrivals_are_sparse():
-    """``WaterfillPolicy(sparse_work=False)``: a job never run gets no work prior (weight 1,
+    """``Arrivals(sparse_work=False)``: a job never run gets no work prior (weight 1,
     as any new job) in rounds with sparse arrivals, and the prior otherwise."""
     nodes = {i: NodeInfo(4) for i in range(4)}
 
-    def counts(jobs, **kw):
-        base = {"sparse_theta": None, "sparse_payback": None, "sparse_work": None}
-        policy = WaterfillPolicy(search="local", **{**base, **kw})
+    def counts(jobs, share_work=True, sparse_work=None):
+        policy = WaterfillPolicy(
+            search=Search(method="local"),
+            arrivals=Arrivals(sparse_theta=None, sparse_payback=None, sparse_work=sparse_work),
+            sharing=Sharing(work=share_work),
+        )
         out = policy.optimize(jobs, nodes, {}, 9 * 3600.0)
         return {k: len(v) for k, v in out.items() if v}, policy
 

@@ -11,17 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from adaptrain.sched import JobInfo, NodeInfo, PolluxPolicy, _kernels
+from adaptrain.sched import JobInfo, NodeInfo, PolluxPolicy
 from adaptrain.sched._counts import count_nodes, sum_nodes
 from adaptrain.sched._plan import WeightedGeneticSearch
-
-
-@pytest.fixture(autouse=True)
-def _numpy_evaluation(monkeypatch):
-    """The lookups are checked in ``_speedups``, which the weighted search's compiled
-    evaluation does not call: these tests run its numpy code (``tests/sched/test_kernels.py``
-    checks that the kernel reads the same)."""
-    monkeypatch.setattr(_kernels, "AVAILABLE", False)
 
 
 def _speedup(a: float, c: float):
@@ -41,16 +33,17 @@ def _whole_grid(self, base, extra=()):
     return (n >= 1) & (n <= r)
 
 
-def _checked_speedups(self, states, reps=None):
-    n = np.minimum(count_nodes(states), self._nmax)
-    r = np.minimum(sum_nodes(states) if reps is None else reps, self._rmax)
+def _check_lookups(search, states):
+    """Assert that every (candidate, job) of ``states`` reads a computed cell of the speedup
+    table, at ``(min(nodes, nmax), min(replicas, rmax))`` as both searches' evaluations do."""
+    n = np.minimum(count_nodes(states), search._nmax)
+    r = np.minimum(sum_nodes(states), search._rmax)
     on = n > 0  # a job without GPUs reads the table's (0, 0): speedup 0
-    looked_up = self._cells[n[on], r[on]]
+    looked_up = search._cells[n[on], r[on]]
     assert looked_up.all(), (
         f"lookup of an uncomputed cell: {np.stack([n[on], r[on]])[:, ~looked_up]}"
     )
-    self.lookups += int(on.sum())
-    return PolluxPolicy._speedups(self, states, reps)  # the lookup both searches use
+    search.lookups += int(on.sum())
 
 
 class _WholeSearch(WeightedGeneticSearch):
@@ -59,7 +52,10 @@ class _WholeSearch(WeightedGeneticSearch):
 
 class _CheckedSearch(WeightedGeneticSearch):
     lookups = 0
-    _speedups = _checked_speedups
+
+    def _evaluate(self, states, base):
+        _check_lookups(self, states)
+        return super()._evaluate(states, base)
 
 
 class _WholePollux(PolluxPolicy):
@@ -68,7 +64,10 @@ class _WholePollux(PolluxPolicy):
 
 class _CheckedPollux(PolluxPolicy):
     lookups = 0
-    _speedups = _checked_speedups
+
+    def _evaluate(self, states, base):
+        _check_lookups(self, states)
+        return super()._evaluate(states, base)
 
 
 @st.composite

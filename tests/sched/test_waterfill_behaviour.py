@@ -7,47 +7,29 @@ import dataclasses
 
 import numpy as np
 import pytest
+from _sched_cases import cluster as _cluster
+from _sched_cases import concave as _concave
+from _sched_cases import random_jobs as _jobs
 
 from adaptrain.sched import (
+    Arrivals,
+    ClusterSpec,
+    Exploration,
     ExploringSpeedup,
+    Growth,
     JobInfo,
     LinearSpeedup,
     NodeInfo,
+    Objective,
     PowerSpeedup,
     RampSpeedup,
+    Search,
+    Sharing,
     WaterfillPolicy,
     check_allocations,
     replica_bound,
 )
 from adaptrain.sched._plan import WeightedGeneticSearch
-
-
-def _concave(a: float):
-    def fn(n, r):
-        r = np.asarray(r, dtype=float)
-        n = np.asarray(n, dtype=float)
-        return np.where(r > 0, r**a / (1.0 + 0.1 * np.maximum(n - 1, 0)), 0.0)
-
-    return fn
-
-
-def _cluster(num_nodes: int = 4, gpus: int = 4) -> dict[int, NodeInfo]:
-    return {i: NodeInfo(gpus) for i in range(num_nodes)}
-
-
-def _jobs(n: int, seed: int = 0, age: float = 3600.0) -> dict[str, JobInfo]:
-    rng = np.random.default_rng(seed)
-    return {
-        f"j{i}": JobInfo(
-            float(i),
-            max_replicas=int(rng.integers(1, 17)),
-            speedup_fn=_concave(float(rng.uniform(0.4, 0.95))),
-            remaining_work=float(rng.uniform(600, 1e5)),
-            age=age,
-            num_restarts=1,
-        )
-        for i in range(n)
-    }
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -57,7 +39,7 @@ def test_second_round_keeps_allocation(seed):
     a job when that raises the fitness net of the restart factor: see the tests below.)"""
     nodes = _cluster()
     jobs = _jobs(9, seed)
-    policy = WaterfillPolicy(search="local")
+    policy = WaterfillPolicy(search=Search(method="local"))
     first = policy.optimize(jobs, nodes, {}, 0.0)
     first = {k: v for k, v in first.items() if v}
     second = policy.optimize(jobs, nodes, first, 60.0)
@@ -75,7 +57,7 @@ def test_restart_penalty_blocks_small_gains_for_young_jobs():
     base = {"a": [0, 0]}
     young = {"a": JobInfo(0.0, max_replicas=4, speedup_fn=fn, age=60.0, num_restarts=1)}
     old = {"a": JobInfo(0.0, max_replicas=4, speedup_fn=fn, age=1e5, num_restarts=1)}
-    pollux_penalty = WaterfillPolicy(grow_payback=None)
+    pollux_penalty = WaterfillPolicy(growth=Growth(payback=None))
     assert pollux_penalty.optimize(young, nodes, base, 60.0)["a"] == [0, 0]
     assert len(pollux_penalty.optimize(old, nodes, base, 60.0)["a"]) == 4
     assert WaterfillPolicy().optimize(old, nodes, base, 60.0)["a"] == [0, 0]
@@ -114,32 +96,31 @@ def test_waiting_job_is_admitted_by_taking_a_gpu_from_the_cheapest_donor():
     assert len(alloc["new"]) == 1 and len(alloc["long"]) == 3
 
 
-def test_las_weighting_prefers_less_attained_service():
-    nodes = _cluster(1, 1)
-    jobs = {
-        "served": JobInfo(0.0, attained_service=1e5, speedup_fn=LinearSpeedup()),
-        "fresh": JobInfo(1.0, attained_service=0.0, speedup_fn=LinearSpeedup()),
-    }
-    alloc = WaterfillPolicy(weighting="las").optimize(jobs, nodes, {}, 0.0)
-    assert alloc.get("fresh") == [0] and not alloc.get("served")
-
-
 @pytest.mark.parametrize(
-    "kwargs",
+    ("config", "kwargs"),
     [
-        {"theta": 0.0},
-        {"alpha": -1.0},
-        {"weighting": "fifo"},
-        {"gpus_per_node": 0},
-        {"search": "anneal"},
-        {"genetic_runs": 0},
-        {"explore_growth": 0.5},
-        {"explore_growth": float("nan")},
+        (Objective, {"theta": 0.0}),
+        (Objective, {"future_gamma": -1.0}),
+        (ClusterSpec, {"gpus_per_node": 0}),
+        (ClusterSpec, {"round_seconds": float("nan")}),
+        (Search, {"method": "anneal"}),
+        (Search, {"min_nodes": 1}),
+        (Exploration, {"growth": 0.5}),
+        (Exploration, {"growth": float("nan")}),
+        (Arrivals, {"rate_window": 60.0}),
+        (Sharing, {"pool": 0}),
+        (Growth, {"payback": 0.0}),
     ],
 )
-def test_bad_arguments_raise(kwargs):
-    with pytest.raises(ValueError):
-        WaterfillPolicy(**kwargs)
+def test_bad_settings_raise_naming_the_setting(config, kwargs):
+    (name,) = kwargs
+    with pytest.raises(ValueError, match=name):
+        config(**kwargs)
+
+
+def test_settings_of_the_wrong_type_are_refused():
+    with pytest.raises(TypeError, match="Objective"):
+        WaterfillPolicy(objective=Exploration())
 
 
 def test_empty_job_set():
@@ -182,7 +163,7 @@ def test_genetic_refinement_never_worse_than_local_search():
     for seed in range(4):
         jobs = _jobs(12, seed, age=600.0)
         genetic = WaterfillPolicy()
-        local = WaterfillPolicy(search="local")
+        local = WaterfillPolicy(search=Search(method="local"))
         base: dict[str, list[int]] = {}
         for t in range(4):
             a_gen = {k: v for k, v in genetic.optimize(jobs, nodes, base, 60.0 * t).items() if v}
@@ -214,7 +195,7 @@ def test_genetic_refinement_repacks_instead_of_splitting_a_job():
         ),
     }
     base = {"a": [0, 0], "b": [1, 1]}
-    local = WaterfillPolicy(search="local").optimize(jobs, nodes, base, 60.0)
+    local = WaterfillPolicy(search=Search(method="local")).optimize(jobs, nodes, base, 60.0)
     assert len(local["c"]) == 4 and len(set(local["c"])) == 2  # split: speedup 1 instead of 4
     genetic = WaterfillPolicy()
     alloc = {k: v for k, v in genetic.optimize(jobs, nodes, base, 60.0).items() if v}
@@ -227,24 +208,21 @@ def test_genetic_state_roundtrip_replays_identically():
     """state_dict -> load_state_dict -> the next round is identical to the uninterrupted one."""
     nodes = _cluster()
     jobs = _jobs(10, 5, age=600.0)
-    policy = WaterfillPolicy(seed=3, genetic_runs=1)  # one run: that search's own state
+    policy = WaterfillPolicy(seed=3)
     first = {k: v for k, v in policy.optimize(jobs, nodes, {}, 0.0).items() if v}
     state = policy.state_dict()
     assert state["prev_states"] is not None
     second = policy.optimize(jobs, nodes, first, 60.0)
-    other = WaterfillPolicy(seed=99, genetic_runs=1)
+    other = WaterfillPolicy(seed=99)
     other.load_state_dict(state)
     assert other.optimize(jobs, nodes, first, 60.0) == second
     local = WaterfillPolicy(
-        search="local",
-        sparse_theta=None,
-        sparse_payback=None,
-        sparse_work=None,
-        share_profiles=False,
-        calibrate=False,
+        search=Search(method="local"),
+        arrivals=Arrivals(sparse_theta=None, sparse_payback=None, sparse_work=None),
+        sharing=Sharing(profiles=False, calibrate=False),
     )
     assert local.state_dict() == {}
-    assert WaterfillPolicy(search="local").state_dict() == {
+    assert WaterfillPolicy(search=Search(method="local")).state_dict() == {
         "arrivals": {"keys": [], "times": []},
         "profiles": {"apps": {}, "configs": {}},
         "calibration": {"apps": {}, "versions": {}},
@@ -270,7 +248,7 @@ def test_new_job_without_estimate_is_admitted_ahead_of_a_long_job():
         ),
     }
     for search in ("local", "genetic"):
-        policy = WaterfillPolicy(search=search)
+        policy = WaterfillPolicy(search=Search(method=search))
         assert policy._weights(jobs, list(jobs))["new"] == 1.0
         alloc = policy.optimize(jobs, nodes, {"long": [0, 0]}, 60.0)
         assert alloc.get("new") == [0] and alloc.get("long") == [0]
@@ -306,40 +284,6 @@ def _fragmented(seed: int) -> tuple[dict[str, JobInfo], dict[str, list[int]]]:
         base[k] = sorted((used + j) % 4 for j in range(c))
         used += c
     return jobs, base
-
-
-def test_several_genetic_runs_keep_the_fittest_answer():
-    """genetic_runs=3 runs the searches of seeds 0, 1, 2 side by side: its answer is exactly as
-    fit as the best of the three single-seed policies' answers (which differ here)."""
-    nodes = _cluster()
-    spread = 0.0
-    for seed in range(4):
-        jobs, base = _fragmented(seed)
-        multi = WaterfillPolicy(genetic_runs=3)
-        alloc = {k: v for k, v in multi.optimize(jobs, nodes, base, 0.0).items() if v}
-        check_allocations(alloc, jobs, nodes, interference=True)
-        fits = []
-        for i in range(3):
-            a = WaterfillPolicy(seed=i, genetic_runs=1).optimize(jobs, nodes, base, 0.0)
-            fits.append(_fitness(multi, jobs, base, {k: v for k, v in a.items() if v}))
-        assert _fitness(multi, jobs, base, alloc) == pytest.approx(max(fits))
-        spread = max(spread, max(fits) - min(fits))
-    assert spread > 0.01  # the seeds disagree somewhere, so the test can fail
-
-
-def test_several_genetic_runs_state_roundtrip():
-    nodes = _cluster()
-    jobs = _jobs(10, 5, age=600.0)
-    policy = WaterfillPolicy(genetic_runs=2, seed=4)
-    first = {k: v for k, v in policy.optimize(jobs, nodes, {}, 0.0).items() if v}
-    state = policy.state_dict()
-    assert len(state["runs"]) == 2
-    second = policy.optimize(jobs, nodes, first, 60.0)
-    other = WaterfillPolicy(genetic_runs=2, seed=0)
-    other.load_state_dict(state)
-    assert other.optimize(jobs, nodes, first, 60.0) == second
-    with pytest.raises(ValueError, match="genetic_runs"):
-        WaterfillPolicy(genetic_runs=3).load_state_dict(state)
 
 
 def _dip(n, r):
@@ -406,9 +350,11 @@ def test_a_job_that_has_not_scaled_is_not_sent_across_nodes(search):
         )
     }
     base = {"a": [0, 0, 0, 0]}
-    kept = WaterfillPolicy(search=search).optimize(jobs, nodes, base, 0.0)
+    kept = WaterfillPolicy(search=Search(method=search)).optimize(jobs, nodes, base, 0.0)
     assert kept["a"] == [0, 0, 0, 0]
-    grown = WaterfillPolicy(search=search, explore_observed=False).optimize(jobs, nodes, base, 0.0)
+    grown = WaterfillPolicy(
+        search=Search(method=search), exploration=Exploration(observed=False)
+    ).optimize(jobs, nodes, base, 0.0)
     assert len(grown["a"]) == 16
 
 
@@ -434,22 +380,32 @@ def test_long_job_explores_across_the_node_boundary_short_job_does_not(search):
     nodes = _cluster(4, 4)
     base = {"a": [0, 0, 0, 0]}
     long_job = _dip_job(remaining_work=10 * 3600.0 * 4)  # 10 h left at 4 GPUs
-    grown = WaterfillPolicy(search=search).optimize(long_job, nodes, base, 0.0)
+    grown = WaterfillPolicy(search=Search(method=search)).optimize(long_job, nodes, base, 0.0)
     assert len(grown["a"]) == 8
     check_allocations(grown, long_job, nodes, interference=True)
-    kept = WaterfillPolicy(search=search, explore_beta=None).optimize(long_job, nodes, base, 0.0)
+    kept = WaterfillPolicy(
+        search=Search(method=search), exploration=Exploration(beta=None)
+    ).optimize(long_job, nodes, base, 0.0)
     assert len(kept["a"]) == 4
     short_job = _dip_job(remaining_work=0.5 * 3600.0 * 4)  # 30 min left: not worth a restart
-    assert len(WaterfillPolicy(search=search).optimize(short_job, nodes, base, 0.0)["a"]) == 4
+    assert (
+        len(
+            WaterfillPolicy(search=Search(method=search)).optimize(short_job, nodes, base, 0.0)["a"]
+        )
+        == 4
+    )
     unknown = _dip_job(remaining_work=None)
-    assert len(WaterfillPolicy(search=search).optimize(unknown, nodes, base, 0.0)["a"]) == 4
+    assert (
+        len(WaterfillPolicy(search=Search(method=search)).optimize(unknown, nodes, base, 0.0)["a"])
+        == 4
+    )
 
 
 def test_exploration_arguments_are_validated():
-    with pytest.raises(ValueError, match="explore_beta"):
-        WaterfillPolicy(explore_beta=-0.1)
-    with pytest.raises(ValueError, match="explore_horizon"):
-        WaterfillPolicy(explore_horizon=-1.0)
+    with pytest.raises(ValueError, match="beta"):
+        WaterfillPolicy(exploration=Exploration(beta=-0.1))
+    with pytest.raises(ValueError, match="horizon"):
+        WaterfillPolicy(exploration=Exploration(horizon=-1.0))
     with pytest.raises(ValueError, match="max_profiled_replicas"):
         JobInfo(0.0, max_replicas=4, max_profiled_replicas=-1)
 
@@ -464,7 +420,7 @@ def test_placement_never_shrinks_a_job_below_its_minimum(search):
         k: JobInfo(float(i), min_replicas=lo, max_replicas=hi, speedup_fn=LinearSpeedup())
         for i, (k, (lo, hi)) in enumerate(bounds.items())
     }
-    alloc = WaterfillPolicy(search=search).optimize(jobs, nodes, {"j1": [0]}, 0.0)
+    alloc = WaterfillPolicy(search=Search(method=search)).optimize(jobs, nodes, {"j1": [0]}, 0.0)
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
 
 
@@ -530,17 +486,25 @@ def test_young_job_held_by_its_cap_ramps_past_a_flat_donor(search):
     cannot tell the cap from the job's own limit (no replica_limit)."""
     case = dict(donor_fn=_power(0.3, 3.0), donor_work=3e4, donor_age=2500.0, donor_restarts=13)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
+
     # the ramp at the allocator's cap of 2 (explore_growth widens it: tested below); the
     # weights computed above are the remaining-work ones (future_gamma: tested at the end), the
     # costs Pollux's penalty alone (grow_payback: tested at the end)
-    kw = dict(search=search, explore_growth=None, future_gamma=None, grow_payback=None)
-    alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
+    def policy(ramp_credit=1.0):
+        return WaterfillPolicy(
+            search=Search(method=search),
+            exploration=Exploration(growth=None, ramp_credit=ramp_credit),
+            objective=Objective(future_gamma=None),
+            growth=Growth(payback=None),
+        )
+
+    alloc = policy().optimize(jobs, nodes, base, 0.0)
     check_allocations({k: v for k, v in alloc.items() if v}, jobs, nodes, interference=True)
     assert len(alloc["young"]) == 2 and len(alloc["donor"]) == 6
-    off = WaterfillPolicy(**kw, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
+    off = policy(ramp_credit=None).optimize(jobs, nodes, base, 0.0)
     assert len(off["young"]) == 1 and len(off["donor"]) == 7
     jobs, nodes, base = _ramp_case(**case)  # replica_limit unknown: no ramp to credit
-    assert len(WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)["young"]) == 1
+    assert len(policy().optimize(jobs, nodes, base, 0.0)["young"]) == 1
 
 
 @pytest.mark.parametrize("search", ["local", "genetic"])
@@ -551,25 +515,32 @@ def test_a_ramp_is_credited_only_as_far_as_it_wins_gpus(search):
     it (shown with that bonus applied by hand)."""
     case = dict(donor_fn=LinearSpeedup(), donor_work=None, donor_age=1e5, donor_restarts=1)
     jobs, nodes, base = _ramp_case(**case, replica_limit=8)
+
     # the ramp at the allocator's cap of 2, with the remaining-work weights computed above
-    kw = dict(search=search, explore_growth=None, future_gamma=None)
-    alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
+    def policy(ramp_credit=1.0):
+        return WaterfillPolicy(
+            search=Search(method=search),
+            exploration=Exploration(growth=None, ramp_credit=ramp_credit),
+            objective=Objective(future_gamma=None),
+        )
+
+    alloc = policy().optimize(jobs, nodes, base, 0.0)
     assert len(alloc["young"]) == 1 and len(alloc["donor"]) == 7
     s = _power(0.7)
     rate = 60.0 / (108.0 + 30.0)  # one round over the young job's restart horizon
     forced = RampSpeedup(s, max_profiled_replicas=1, cap=2, bonus=rate * float(s(2, 8) - s(1, 2)))
     jobs, nodes, base = _ramp_case(**case, fn=forced)
-    alloc = WaterfillPolicy(**kw, ramp_credit=None).optimize(jobs, nodes, base, 0.0)
+    alloc = policy(ramp_credit=None).optimize(jobs, nodes, base, 0.0)
     assert len(alloc["young"]) == 2
 
 
 def test_ramp_arguments_are_validated():
     with pytest.raises(ValueError, match="ramp_credit"):
-        WaterfillPolicy(ramp_credit=-0.5)
+        WaterfillPolicy(exploration=Exploration(ramp_credit=-0.5))
     with pytest.raises(ValueError, match="ramp_doublings"):
-        WaterfillPolicy(ramp_doublings=0)
+        WaterfillPolicy(exploration=Exploration(ramp_doublings=0))
     with pytest.raises(ValueError, match="round_seconds"):
-        WaterfillPolicy(round_seconds=0.0)
+        WaterfillPolicy(cluster=ClusterSpec(round_seconds=0.0))
     with pytest.raises(ValueError, match="replica_limit"):
         JobInfo(0.0, max_replicas=4, replica_limit=2)
 
@@ -591,10 +562,18 @@ def test_replica_bound_widens_the_allocators_cap_within_the_limit(r0, cap, limit
     job = JobInfo(0.0, max_replicas=cap, max_profiled_replicas=r0, replica_limit=limit)
     new = r0 == 0  # first_replicas rules, explore_growth does not
     assert WaterfillPolicy().replica_bound(job) == want  # explore_growth = 4
-    assert WaterfillPolicy(explore_growth=None).replica_bound(job) == (want if new else cap)
-    assert WaterfillPolicy(explore_growth=1.0).replica_bound(job) == (want if new else cap)
-    assert WaterfillPolicy(first_replicas=None).replica_bound(job) == (cap if new else want)
-    assert WaterfillPolicy(first_replicas=1).replica_bound(job) == (cap if new else want)
+    assert WaterfillPolicy(exploration=Exploration(growth=None)).replica_bound(job) == (
+        want if new else cap
+    )
+    assert WaterfillPolicy(exploration=Exploration(growth=1.0)).replica_bound(job) == (
+        want if new else cap
+    )
+    assert WaterfillPolicy(exploration=Exploration(first_replicas=None)).replica_bound(job) == (
+        cap if new else want
+    )
+    assert WaterfillPolicy(exploration=Exploration(first_replicas=1)).replica_bound(job) == (
+        cap if new else want
+    )
     assert replica_bound(WaterfillPolicy(), job) == want
     assert replica_bound(object(), job) == cap  # a policy without its own rule
 
@@ -614,11 +593,13 @@ def _new_job(**kw) -> JobInfo:
 @pytest.mark.parametrize("search", ["local", "genetic"])
 def test_a_new_job_starts_on_up_to_first_replicas_free_gpus(search):
     nodes = _cluster(4, 4)
-    policy = WaterfillPolicy(search=search)
+    policy = WaterfillPolicy(search=Search(method=search))
     alloc = policy.optimize({"new": _new_job()}, nodes, {}, 0.0)
     assert len(alloc["new"]) == 4 and len(set(alloc["new"])) == 1  # one node
     check_allocations(alloc, {"new": _new_job()}, nodes, interference=True, policy=policy)
-    old = WaterfillPolicy(search=search, first_replicas=None)
+    old = WaterfillPolicy(
+        search=Search(method=search), exploration=Exploration(first_replicas=None)
+    )
     assert len(old.optimize({"new": _new_job()}, nodes, {}, 0.0)["new"]) == 1
 
 
@@ -633,10 +614,14 @@ def test_a_new_jobs_unknown_scaling_wins_no_gpus_from_a_measured_job(search):
     donor = _linear_job(max_replicas=16, max_profiled_replicas=8, remaining_work=theta, age=1e5)
     jobs = {"donor": donor, "new": _new_job()}
     nodes, base = _cluster(2, 4), {"donor": [0, 0, 0, 0, 1, 1, 1]}
-    kw = dict(search=search, theta=theta, future_gamma=None)
-    alloc = WaterfillPolicy(**kw).optimize(jobs, nodes, base, 0.0)
+    objective = Objective(theta=theta, future_gamma=None)
+    alloc = WaterfillPolicy(search=Search(method=search), objective=objective).optimize(
+        jobs, nodes, base, 0.0
+    )
     assert len(alloc["new"]) == 1 and alloc["donor"] == base["donor"]
-    eager = WaterfillPolicy(**kw, first_beta=1.0)
+    eager = WaterfillPolicy(
+        search=Search(method=search), objective=objective, exploration=Exploration(first_beta=1.0)
+    )
     alloc = eager.optimize(jobs, nodes, base, 0.0)
     assert len(alloc["new"]) == 4 and len(alloc["donor"]) == 4
 
@@ -652,9 +637,9 @@ def test_power_speedup_is_the_cautious_prior():
 
 def test_first_arguments_are_validated():
     with pytest.raises(ValueError, match="first_replicas"):
-        WaterfillPolicy(first_replicas=0)
+        WaterfillPolicy(exploration=Exploration(first_replicas=0))
     with pytest.raises(ValueError, match="first_beta"):
-        WaterfillPolicy(first_beta=1.5)
+        WaterfillPolicy(exploration=Exploration(first_beta=1.5))
 
 
 @pytest.mark.parametrize("search", ["local", "genetic"])
@@ -667,13 +652,13 @@ def test_lone_job_grows_four_times_its_tried_size(search):
         max_replicas=4, max_profiled_replicas=2, remaining_work=1e6, age=1e4, num_restarts=1
     )
     jobs, base = {"a": job}, {"a": [0, 0]}
-    policy = WaterfillPolicy(search=search)
+    policy = WaterfillPolicy(search=Search(method=search))
     alloc = policy.optimize(jobs, nodes, base, 0.0)
     assert len(alloc["a"]) == 8
     check_allocations(alloc, jobs, nodes, interference=True, policy=policy)
     with pytest.raises(RuntimeError, match="outside"):
         check_allocations(alloc, jobs, nodes)  # the allocator's cap alone
-    capped = WaterfillPolicy(search=search, explore_growth=None)
+    capped = WaterfillPolicy(search=Search(method=search), exploration=Exploration(growth=None))
     alloc = capped.optimize(jobs, nodes, base, 0.0)
     assert len(alloc["a"]) == 4
     check_allocations(alloc, jobs, nodes, interference=True)
@@ -724,9 +709,9 @@ def test_weights_divided_by_the_speed_to_come():
     both keep the remaining-work weight, and a job without a model keeps its weight either way."""
     jobs = _scaling_pair()
     keys = list(jobs)
-    policy = WaterfillPolicy(future_gamma=0.5)
+    policy = WaterfillPolicy(objective=Objective(future_gamma=0.5))
     curves = {k: policy._curve(jobs[k], 16) for k in keys}
-    plain = WaterfillPolicy(future_gamma=None)._weights(jobs, keys, curves, 16)
+    plain = WaterfillPolicy(objective=Objective(future_gamma=None))._weights(jobs, keys, curves, 16)
     assert plain["flat"] == plain["linear"]
     w = policy._weights(jobs, keys, curves, 16)
     np.testing.assert_allclose(w["flat"], plain["flat"] / (2.0**0.2) ** 0.5)
@@ -746,19 +731,25 @@ def test_speed_to_come_moves_gpus_to_the_slow_job(search):
     nodes = _cluster(1, 4)
     jobs = _scaling_pair()
     base = {"flat": [0], "linear": [0, 0, 0]}
-    plain = WaterfillPolicy(search=search, future_gamma=None).optimize(jobs, nodes, base, 0.0)
+    plain = WaterfillPolicy(
+        search=Search(method=search), objective=Objective(future_gamma=None)
+    ).optimize(jobs, nodes, base, 0.0)
     assert len(plain["flat"]) == 1 and len(plain["linear"]) == 3
     jobs = {k: dataclasses.replace(j, age=1e6) for k, j in jobs.items()}  # cheap restarts
     # (and growth priced by Pollux's penalty alone: flat's second GPU repays no 1/6 of its speed)
-    strong = WaterfillPolicy(search=search, future_gamma=6.0, grow_payback=None)
+    strong = WaterfillPolicy(
+        search=Search(method=search),
+        objective=Objective(future_gamma=6.0),
+        growth=Growth(payback=None),
+    )
     strong = strong.optimize(jobs, nodes, base, 0.0)
     assert len(strong["flat"]) == 2 and len(strong["linear"]) == 2
 
 
 def test_future_gamma_must_be_non_negative():
     with pytest.raises(ValueError, match="future_gamma"):
-        WaterfillPolicy(future_gamma=-0.5)
-    WaterfillPolicy(future_gamma=0.0)  # 0 (or None): weights not divided
+        WaterfillPolicy(objective=Objective(future_gamma=-0.5))
+    WaterfillPolicy(objective=Objective(future_gamma=0.0))  # 0 (or None): weights not divided
 
 
 def _old_job(a: float) -> JobInfo:
@@ -783,9 +774,9 @@ def test_growth_repays_its_restart_within_grow_payback_rounds(search):
     job with ``s = r ** 0.1`` (1.149 -> 1.231, +7%) stays on 4, a linear one (4 -> 8) grows."""
     nodes, base = _cluster(2, 4), {"a": [0, 0, 0, 0]}
     flat = {"a": _old_job(0.1)}
-    plain = WaterfillPolicy(search=search, grow_payback=None)
+    plain = WaterfillPolicy(search=Search(method=search), growth=Growth(payback=None))
     assert len(plain.optimize(flat, nodes, base, 0.0)["a"]) == 8
-    policy = WaterfillPolicy(search=search)  # grow_payback = 3 rounds
+    policy = WaterfillPolicy(search=Search(method=search))  # grow_payback = 3 rounds
     assert policy._grow_cost() == pytest.approx(30.0 / 180.0)
     assert policy.optimize(flat, nodes, base, 0.0)["a"] == base["a"]
     linear = {"a": _old_job(1.0)}
@@ -814,12 +805,14 @@ def test_genetic_fitness_prices_growth_not_shrinks():
 def test_grow_payback_is_validated():
     from adaptrain.sched._plan import WeightedGeneticSearch
 
-    with pytest.raises(ValueError, match="grow_payback"):
-        WaterfillPolicy(grow_payback=0.0)
+    with pytest.raises(ValueError, match="payback"):
+        WaterfillPolicy(growth=Growth(payback=0.0))
     with pytest.raises(ValueError, match="grow_cost"):
         WeightedGeneticSearch(grow_cost=1.5)
-    assert WaterfillPolicy(grow_payback=None)._grow_cost() == 0.0
-    assert WaterfillPolicy(grow_payback=0.1)._grow_cost() == 1.0  # at most the whole speed
+    assert WaterfillPolicy(growth=Growth(payback=None))._grow_cost() == 0.0
+    assert (
+        WaterfillPolicy(growth=Growth(payback=0.1))._grow_cost() == 1.0
+    )  # at most the whole speed
 
 
 def _ending_job(remaining_seconds: float) -> JobInfo:
@@ -835,11 +828,11 @@ def test_a_job_about_to_end_grows_only_if_it_ends_sooner(search):
     ``30 / T`` of the new speed when T is under the payback horizon (3 rounds, 180 s), so the job
     stays at T = 50 s and grows at T = 90 s; without it, it grows whenever T > 36 s (1/6)."""
     nodes, base = _cluster(2, 4), {"a": [0, 0, 0, 0]}
-    policy = WaterfillPolicy(search=search)
+    policy = WaterfillPolicy(search=Search(method=search))
     assert policy.payback_remaining
     assert policy.optimize({"a": _ending_job(50.0)}, nodes, base, 0.0)["a"] == base["a"]
     assert len(policy.optimize({"a": _ending_job(90.0)}, nodes, base, 0.0)["a"]) == 8
-    plain = WaterfillPolicy(search=search, payback_remaining=False)
+    plain = WaterfillPolicy(search=Search(method=search), growth=Growth(payback_remaining=False))
     assert len(plain.optimize({"a": _ending_job(50.0)}, nodes, base, 0.0)["a"]) == 8
 
 
@@ -855,10 +848,10 @@ def test_grow_costs_follow_the_remaining_time_under_the_horizon():
     costs = policy._grow_costs(jobs, base)
     assert costs == {"end": pytest.approx(30.0 / 50.0)}
     assert policy._grow_costs({"a": _ending_job(10.0)}, {"a": [0] * 4}) == {"a": 1.0}
-    assert WaterfillPolicy(payback_remaining=False)._grow_costs(jobs, base) == {}
-    assert WaterfillPolicy(restart_delay=0.0)._grow_costs(jobs, base) == {}
+    assert WaterfillPolicy(growth=Growth(payback_remaining=False))._grow_costs(jobs, base) == {}
+    assert WaterfillPolicy(cluster=ClusterSpec(restart_delay=0.0))._grow_costs(jobs, base) == {}
     # without the round floor, the remaining time alone sets the horizon
-    assert WaterfillPolicy(grow_payback=None)._grow_costs(jobs, base) == {
+    assert WaterfillPolicy(growth=Growth(payback=None))._grow_costs(jobs, base) == {
         "end": pytest.approx(0.6),
         "long": pytest.approx(30.0 / 500.0),
     }
@@ -880,7 +873,7 @@ def test_genetic_fitness_takes_per_job_grow_costs():
 def _recorded_bests(policy: WaterfillPolicy) -> list[float]:
     """Wrap the first genetic run's steps to record the best score of its initial population
     (its first evaluation), then of each generation's."""
-    search, bests = policy._runs[0], []
+    search, bests = policy._genetic, []
     step, evaluate = search._generation, search._evaluate
 
     def first_evaluation(states, base):
@@ -896,31 +889,6 @@ def _recorded_bests(policy: WaterfillPolicy) -> list[float]:
 
     search._evaluate, search._generation = first_evaluation, generation
     return bests
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_genetic_patience_stops_after_that_many_generations_without_a_fitter_candidate(seed):
-    """The same search with and without patience draws the same numbers up to the stop, so the
-    early-stopped run is the full run's prefix, cut exactly where ``patience`` generations in a
-    row found nothing fitter."""
-    jobs, base = _fragmented(seed)
-    full = WaterfillPolicy(seed=seed)
-    full_bests = _recorded_bests(full)
-    full.optimize(jobs, _cluster(), base, 0.0)
-    assert full._runs[0].last_generations == len(full_bests) - 1 == 50
-    patience, stall, expected = 3, 0, 50
-    for i in range(1, len(full_bests)):
-        stall = 0 if full_bests[i] < min(full_bests[:i]) else stall + 1
-        if stall >= patience:
-            expected = i
-            break
-    early = WaterfillPolicy(seed=seed, genetic_patience=patience)
-    early_bests = _recorded_bests(early)
-    early.optimize(jobs, _cluster(), base, 0.0)
-    assert early._runs[0].last_generations == len(early_bests) - 1 == expected < 50
-    assert early_bests == full_bests[: expected + 1]
-    with pytest.raises(ValueError, match="genetic_patience"):
-        WaterfillPolicy(genetic_patience=0)
 
 
 @pytest.mark.parametrize(
@@ -943,7 +911,9 @@ def test_the_local_search_maximises_the_weighted_utility_of_exponent_p(p, want):
         )
         for i, (k, rem) in enumerate((("a", 0.0), ("b", theta)))
     }
-    policy = WaterfillPolicy(theta=theta, p=p, search="local", future_gamma=None)
+    policy = WaterfillPolicy(
+        search=Search(method="local"), objective=Objective(theta=theta, p=p, future_gamma=None)
+    )
     out = policy.optimize(jobs, {0: NodeInfo(8)}, {}, 0.0)
     assert (len(out["a"]), len(out["b"])) == want
 
@@ -990,7 +960,7 @@ def test_with_a_node_floor_no_multi_node_job_spans_two_nodes(search):
         "s2": JobInfo(2.0, max_replicas=2, speedup_fn=LinearSpeedup()),
     }
     for seed in range(3):
-        policy = WaterfillPolicy(search=search, min_nodes=3, seed=seed)
+        policy = WaterfillPolicy(search=Search(method=search, min_nodes=3), seed=seed)
         alloc = {k: v for k, v in policy.optimize(jobs, nodes, {}, 0.0).items() if v}
         check_allocations(alloc, jobs, nodes, interference=True)
         assert len(alloc["big"]) == 8 and len(set(alloc["big"])) >= 3
@@ -1006,7 +976,7 @@ def test_the_genetic_refinement_values_two_nodes_at_nothing_under_a_node_floor()
     jobs = {"big": JobInfo(0.0, max_replicas=8, speedup_fn=LinearSpeedup(), age=1e5)}
     packed, spread = {"big": [0] * 4 + [1] * 4}, {"big": [0] * 3 + [1] * 3 + [2] * 2}
     for floor, want in ((2, True), (3, False)):
-        search = WaterfillPolicy(min_nodes=floor)._runs[0]
+        search = WaterfillPolicy(search=Search(min_nodes=floor))._genetic
         assert search.min_nodes == floor
         fit = {
             name: search.fitness(jobs, nodes, alloc, {"big": 1.0}, alloc)
@@ -1019,6 +989,6 @@ def test_the_genetic_refinement_values_two_nodes_at_nothing_under_a_node_floor()
 @pytest.mark.parametrize("bad", [1, 0, -2, 2.5, True, "3"])
 def test_min_nodes_is_validated(bad):
     with pytest.raises(ValueError, match="min_nodes"):
-        WaterfillPolicy(min_nodes=bad)
+        WaterfillPolicy(search=Search(min_nodes=bad))
     with pytest.raises(ValueError, match="min_nodes"):
         WeightedGeneticSearch(min_nodes=bad)

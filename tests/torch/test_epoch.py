@@ -49,3 +49,33 @@ def test_resume_in_the_interrupted_epoch(monkeypatch, tmp_path):
     checkpoint.reset()  # restarted process
     assert finished_epochs() == 2
     assert list(remaining_epochs_until(5)) == [2, 3, 4]
+
+
+def test_an_exception_leaving_the_loop_finishes_the_epoch_as_documented(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv("ADAPTRAIN_CHECKPOINT_PATH", str(tmp_path))
+    # Saved outside the loop after an error: the interrupted epoch 1 counts as finished.
+    with pytest.raises(ZeroDivisionError):
+        try:
+            for e in remaining_epochs_until(5):
+                if e == 1:
+                    1 / 0  # noqa: B018
+        finally:
+            assert current_epoch() is None and finished_epochs() == 2
+            checkpoint.save_all_states()
+    checkpoint.reset()
+    assert finished_epochs() == 2
+    # Saved inside the loop body: the epoch is still current and is resumed after a restart.
+    checkpoint.reset()
+    with pytest.raises(ZeroDivisionError):
+        for e in remaining_epochs_until(5):
+            try:
+                if e == 3:
+                    1 / 0  # noqa: B018
+            except ZeroDivisionError:
+                checkpoint.save_all_states()
+                raise
+    checkpoint.reset()
+    assert finished_epochs() == 3
+    assert list(remaining_epochs_until(5)) == [3, 4]

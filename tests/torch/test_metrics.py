@@ -269,9 +269,9 @@ def test_a_stall_does_not_reach_the_fit():
     The fit's inputs agree to 1e-12, and so do its predictions to 1e-4, also for sizes never
     profiled. Its parameters agree to 1e-3 only: along the fit's flattest direction (the
     overlap ``gamma`` against the network coefficients) where L-BFGS-B stops moves with the
-    last bits of its inputs and of numpy's ``exp``/``log``, which differ by CPU (session 53: on
-    a host without AVX-512 the fit without the stall stopped 3e-4 short in ``alpha_r`` and
-    ``gamma``, predicting the same step times to 5e-5)."""
+    last bits of its inputs and of numpy's ``exp``/``log``, which differ by CPU (on a host
+    without AVX-512 the fit without the stall stopped 3e-4 short in ``alpha_r`` and ``gamma``,
+    predicting the same step times to 5e-5)."""
     _synthetic_profile()
     clean = _fitted_params()
     clean_rows = {k: _metrics._step_times(k, r) for k, r in _metrics._state().profile.items()}

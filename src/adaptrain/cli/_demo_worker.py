@@ -44,10 +44,14 @@ import adaptrain.collective as collective
 import adaptrain.torch as adl
 from adaptrain import env
 from adaptrain.cli.demo import MIN_LOCAL_BSZ, SEQ_LEN
+from adaptrain.procs import die_with_parent
 from adaptrain.torch import _metrics
 from adaptrain.workloads import CharLM, charlm_datasets, charlm_loss
 
 logger = logging.getLogger(__name__)
+
+#: Seconds a replica whose torchrun died has to checkpoint and end before it is killed.
+AGENT_GONE_KILL_AFTER = 20.0
 
 #: Columns of the per-step history kept in the checkpoint and plotted at the end.
 HISTORY_FIELDS = (
@@ -137,6 +141,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reoptimize-every", type=int, default=25)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-bar", action="store_true", help="plain log lines instead of a tqdm bar")
+    p.add_argument(
+        "--agent-pid",
+        type=int,
+        default=None,
+        help="torchrun's process id: this replica ends when it dies (given by the demo's agent)",
+    )
     return p.parse_args(argv)
 
 
@@ -307,6 +317,10 @@ def plot(state: DemoState, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.agent_pid is not None:
+        # torchrun gone (SIGKILLed, crashed): SIGTERM, a graceful stop with a checkpoint, and
+        # SIGKILL if that has not ended the replica in AGENT_GONE_KILL_AFTER seconds
+        die_with_parent(args.agent_pid, kill_after=AGENT_GONE_KILL_AFTER)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     adl.init_process_group("gloo")

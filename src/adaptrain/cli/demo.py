@@ -3,7 +3,9 @@
 Launches ``torchrun`` (``python -m torch.distributed.run``) with ``--replicas`` gloo workers running
 :mod:`adaptrain.cli._demo_worker`. torchrun runs in its own session, so Ctrl-C in the terminal
 reaches this launcher only; the launcher forwards one SIGTERM to torchrun, which forwards it to
-every worker: they agree on a step, write one checkpoint under ``--out`` and exit. Running the same
+every worker: they agree on a step, write one checkpoint under ``--out`` and exit. A launcher killed
+outright (SIGKILL) forwards nothing: torchrun then gets that SIGTERM from the kernel as the launcher
+dies, and each worker gets one if torchrun dies (:func:`_agent`). Running the same
 command again resumes from that checkpoint (a job interrupted in its final validation runs that
 validation again, where it stopped, and trains no further). A finished job in ``--out`` is only
 reported again, under the budget it ran with.
@@ -21,6 +23,7 @@ import time
 from pathlib import Path
 
 from adaptrain.dist.spawn import free_port
+from adaptrain.procs import die_with_parent
 
 NAME = "demo"
 HELP = "train the character LM of the stdlib's text on local replicas with autoscaled batch size"
@@ -57,6 +60,7 @@ def _worker_command(args: argparse.Namespace) -> list[str]:
         sys.executable,
         "-m",
         "adaptrain.cli.demo",  # torchrun, quiet on the forwarded SIGTERM (see _torchrun)
+        f"{LAUNCHER_FLAG}={os.getpid()}",  # it ends with this launcher (see _agent)
         f"--nproc-per-node={args.replicas}",
         "--nnodes=1",
         "--master-addr=127.0.0.1",
@@ -95,6 +99,27 @@ def _torchrun(argv: list[str]) -> int:
     except SignalException as exc:
         return 128 + int(exc.sigval)
     return 0
+
+
+#: The first argument of the launcher's child (:func:`_agent`): the launcher's process id.
+LAUNCHER_FLAG = "--launcher-pid"
+
+
+def _agent(argv: list[str]) -> int:
+    """The launcher's child: :func:`_torchrun` of ``argv`` less its first argument,
+    ``--launcher-pid=PID``, in a process that ends with the launcher, with replicas that end
+    with it.
+
+    torchrun runs in a session of its own, out of reach of the launcher's terminal; so that a
+    launcher killed with SIGKILL leaves nothing running, torchrun gets a SIGTERM when the
+    launcher dies (it then stops its replicas, which checkpoint, as after a forwarded SIGTERM),
+    and every replica gets one when torchrun dies: its argument ``--agent-pid`` names torchrun's
+    process (:func:`adaptrain.procs.die_with_parent`).
+    """
+    if argv and argv[0].startswith(LAUNCHER_FLAG + "="):
+        die_with_parent(int(argv[0].split("=", 1)[1]))
+        argv = argv[1:]
+    return _torchrun([*argv, f"--agent-pid={os.getpid()}"])
 
 
 def _descendants(pid: int) -> list[int]:
@@ -280,8 +305,8 @@ def _run_locked(args: argparse.Namespace, out: Path, ckpt: Path, lock_fd: int | 
             msg = "stopped before the first checkpoint; a rerun starts afresh"
         print(f"adaptrain demo: {msg}", file=sys.stderr)
         return 128 + (received[0] if received else signal.SIGINT)
-    return code
+    return code if code >= 0 else 128 - code  # torchrun killed by a signal: as a shell says
 
 
 if __name__ == "__main__":  # the launcher's child: torchrun in its own session
-    sys.exit(_torchrun(sys.argv[1:]))
+    sys.exit(_agent(sys.argv[1:]))

@@ -17,30 +17,24 @@ HELP = "replay a cluster workload trace under a scheduling policy (trace-driven 
 POLICIES = ("waterfill", "pollux", "tiresias", "optimus")
 
 
-def make_policy(
-    name: str,
-    seed: int = 0,
-    *,
-    gpus_per_node: int = 4,
-    restart_delay: float = 30.0,
-    interval: float = 60.0,
-):
-    """Build a policy by name (``waterfill`` is our default) for a cluster of
-    ``gpus_per_node``-GPU nodes scheduled every ``interval`` seconds with restarts costing
-    ``restart_delay`` seconds. Each setting goes to the policies that have a matching parameter
-    (waterfill: all three and ``seed``; pollux: ``restart_delay`` and ``seed``; Tiresias and
-    Optimus have none); the defaults are the policies' own defaults."""
-    from adaptrain.sched import OptimusPolicy, PolluxPolicy, TiresiasPolicy, WaterfillPolicy
+def make_policy(name: str, seed: int = 0, *, cluster=None):
+    """Build a policy by name (``waterfill`` is our default) for ``cluster`` (a
+    :class:`~adaptrain.sched.ClusterSpec`; default: its defaults). Tiresias and Optimus take
+    no cluster facts; the other policies price restarts (and waterfill also speedups and rounds)
+    with it."""
+    from adaptrain.sched import (
+        ClusterSpec,
+        OptimusPolicy,
+        PolluxPolicy,
+        TiresiasPolicy,
+        WaterfillPolicy,
+    )
 
+    cluster = ClusterSpec() if cluster is None else cluster
     if name == "waterfill":
-        return WaterfillPolicy(
-            restart_delay=restart_delay,
-            gpus_per_node=gpus_per_node,
-            round_seconds=interval,
-            seed=seed,
-        )
+        return WaterfillPolicy(cluster=cluster, seed=seed)
     if name == "pollux":
-        return PolluxPolicy(restart_delay=restart_delay, seed=seed)
+        return PolluxPolicy(cluster=cluster, seed=seed)
     if name == "tiresias":
         return TiresiasPolicy()
     if name == "optimus":
@@ -156,15 +150,20 @@ class _Where:
 def run(args: argparse.Namespace) -> int:
     """The command, exiting 130 after a one-line message on Ctrl-C (no traceback): results are
     printed and the plot written only once every policy has been simulated, so an interrupted
-    simulation leaves nothing behind (``--plot``'s folder excepted, created up front)."""
+    simulation leaves nothing behind (``--plot``'s folder excepted, created up front). A SIGTERM
+    stops it the same way (its fit workers stopped), exiting 143."""
+    from adaptrain.procs import sigterm_as_interrupt
+
     where = _Where()
+    terminated: list[int] = []
     try:
-        return _run(args, where)
+        with sigterm_as_interrupt() as terminated:
+            return _run(args, where)
     except KeyboardInterrupt:
         # On a terminal, over the "^C" it echoed (a bar has already ended its line).
-        start = "\r" if sys.stderr.isatty() else ""
+        start = "\r" if sys.stderr.isatty() and not terminated else ""
         print(f"{start}adaptrain simulate: {_interrupted(where)}", file=sys.stderr, flush=True)
-        return 130
+        return 143 if terminated else 130
 
 
 def _interrupted(where: _Where) -> str:
@@ -182,6 +181,7 @@ def _interrupted(where: _Where) -> str:
 
 
 def _run(args: argparse.Namespace, where: _Where) -> int:
+    from adaptrain.sched import ClusterSpec
     from adaptrain.sim.simulator import SimulationStalled, Simulator
     from adaptrain.sim.traces import load_applications, load_workload
 
@@ -202,21 +202,18 @@ def _run(args: argparse.Namespace, where: _Where) -> int:
         if not workload:
             print(f"adaptrain simulate: warning: {args.workload!r} has no jobs", file=sys.stderr)
         apps = load_applications(args.traces, sorted({w.application for w in workload}))
+        cluster = ClusterSpec(
+            gpus_per_node=args.gpus_per_node,
+            round_seconds=args.interval,
+            restart_delay=args.restart_delay,
+        )
         sims = {
             name: Simulator(
                 workload,
                 apps,
-                make_policy(
-                    name,
-                    seed=args.seed,
-                    gpus_per_node=args.gpus_per_node,
-                    restart_delay=args.restart_delay,
-                    interval=args.interval,
-                ),
+                make_policy(name, seed=args.seed, cluster=cluster),
                 num_nodes=args.nodes,
-                gpus_per_node=args.gpus_per_node,
-                interval=args.interval,
-                restart_delay=args.restart_delay,
+                cluster=cluster,
                 interference=args.interference,
                 record_timeline=bool(args.plot),
                 arrival_allocation=not args.rounds_only,

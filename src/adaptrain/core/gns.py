@@ -57,14 +57,16 @@ class GNSEstimate(NamedTuple):
     var: Any
 
 
-def _isfinite_scalar(x: Any) -> bool:
-    try:
-        import torch
+def _torch() -> Any:
+    """The torch module, which is imported wherever a tensor exists (:func:`_is_tensor`):
+    this module never imports it, so that a numpy-only caller does not load it."""
+    return sys.modules["torch"]
 
-        if isinstance(x, torch.Tensor):
-            return bool(torch.isfinite(x).all())
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        pass
+
+def _isfinite_scalar(x: Any) -> bool:
+    if _is_tensor(x):
+        torch = _torch()
+        return bool(torch.isfinite(x).all())
     try:
         import numpy as np
 
@@ -149,8 +151,7 @@ def gain(sqr: Any, var: Any, scale: Any) -> Any:
     import numpy as np
 
     if _is_tensor(sqr) or _is_tensor(var) or _is_tensor(scale):
-        import torch
-
+        torch = _torch()
         sqr_t = torch.as_tensor(sqr, dtype=torch.float64).clamp_min(0.0)
         var_t = torch.as_tensor(var, dtype=torch.float64).clamp_min(0.0)
         scale_t = torch.as_tensor(scale, dtype=torch.float64)
@@ -303,8 +304,7 @@ def clip_estimate(est: GNSEstimate, min_sqr: Any = 0.0, min_var: Any = 0.0) -> G
 
 def _floor(x: Any, lo: Any) -> Any:
     if _is_tensor(x):
-        import torch
-
+        torch = _torch()
         return torch.where(torch.isnan(x), x, x.clamp_min(lo))
     import numpy as np
 

@@ -4,6 +4,7 @@ No I/O, no processes, no torch: the simulator (:mod:`adaptrain.sim`) and a servi
 same policies, building what they see with :func:`job_info`.
 """
 
+from .config import Arrivals, ClusterSpec, Exploration, Growth, Objective, Search, Sharing
 from .jobs import JobReport, job_info
 from .memo import Memo, memoized
 from .optimus import OptimusPolicy
@@ -11,6 +12,7 @@ from .policy_base import (
     Allocation,
     JobInfo,
     NodeInfo,
+    NodeKey,
     Policy,
     check_allocations,
     replica_bound,
@@ -28,12 +30,20 @@ from .waterfill import WaterfillPolicy
 
 __all__ = [
     "Allocation",
+    "Arrivals",
+    "ClusterSpec",
+    "Exploration",
+    "Growth",
+    "Objective",
+    "Search",
+    "Sharing",
     "ExploringSpeedup",
     "JobInfo",
     "JobReport",
     "Memo",
     "LinearSpeedup",
     "NodeInfo",
+    "NodeKey",
     "OptimusPolicy",
     "Policy",
     "PolluxPolicy",

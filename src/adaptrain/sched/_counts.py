@@ -1,10 +1,10 @@
 """Exact, fast reductions over the genetic searches' (candidates x jobs x nodes) count arrays.
 
-The searches of :mod:`adaptrain.sched.pollux` and :mod:`adaptrain.sched._plan` hold replica
-counts in int16 arrays of shape ``(P, J, N)``: some 75-100 candidates, 5-50 jobs, 16 nodes on
-the artifact's cluster. numpy's integer reductions over such short axes (``sum(axis=2)``,
-``count_nonzero(axis=2)``, ``cumsum(axis=1)``) spend most of their time in per-row loop
-overhead, 2-4 x longer than a float64 matrix product over the same data. Integers below 2**53
+The searches of :mod:`adaptrain.sched.pollux` hold replica counts in int16 arrays of shape
+``(P, J, N)``: some 75-100 candidates, 5-50 jobs, 16 nodes on the artifact's cluster. numpy's
+integer reductions over such short axes (``sum(axis=2)``, ``count_nonzero(axis=2)``) spend
+most of their time in per-row loop overhead, 2-4 x longer than a float64 matrix product over
+the same data. Integers below 2**53
 add exactly in float64 in any order, so these helpers return exactly numpy's integers, only
 sooner; ``tests/sched/test_genetic_operators.py`` checks them against numpy on random arrays.
 They do not draw random numbers and change no result of the searches.
@@ -14,22 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .memo import memoized
-
-__all__ = ["count_nodes", "cumsum_jobs", "cumsum_row", "rows_differ", "sum_jobs", "sum_nodes"]
-
-# up to this length of the summed axis (jobs, or nodes along a row) a running sum is one
-# product with a triangular matrix; beyond it numpy's cumsum is faster (the product grows with
-# the length squared)
-_TRIANGLE_MAX = 16
-
-
-@memoized(maxsize=64)
-def _lower_triangle(n: int) -> np.ndarray:
-    """Ones on and below the diagonal, (n, n), read-only (shared between calls)."""
-    out = np.tril(np.ones((n, n)))
-    out.flags.writeable = False
-    return out
+__all__ = ["count_nodes", "rows_differ", "sum_jobs", "sum_nodes"]
 
 
 def sum_nodes(states: np.ndarray) -> np.ndarray:
@@ -52,23 +37,6 @@ def sum_jobs(states: np.ndarray) -> np.ndarray:
     if states.size == 0:
         return np.zeros((P, N), dtype=np.int64)
     return (np.ones(J) @ states.astype(np.float64)).astype(np.int64)
-
-
-def cumsum_jobs(states: np.ndarray) -> np.ndarray:
-    """``np.cumsum(states, axis=1, dtype=np.int32)``: running sums over jobs, in job order."""
-    J = states.shape[1]
-    if states.size == 0 or J > _TRIANGLE_MAX:
-        return np.cumsum(states, axis=1, dtype=np.int32)
-    return (_lower_triangle(J) @ states.astype(np.float64)).astype(np.int32)
-
-
-def cumsum_row(rows: np.ndarray) -> np.ndarray:
-    """``np.cumsum(rows, axis=1)`` as int64 for a (rows, nodes) array of counts or booleans:
-    running sums along each row."""
-    k, N = rows.shape
-    if rows.size == 0 or N > _TRIANGLE_MAX:
-        return np.cumsum(rows, axis=1, dtype=np.int64)
-    return (rows.astype(np.float64) @ _lower_triangle(N).T).astype(np.int64)
 
 
 def rows_differ(states: np.ndarray, base: np.ndarray) -> np.ndarray:

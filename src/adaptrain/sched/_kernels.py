@@ -1,38 +1,37 @@
-"""Compiled kernels for the genetic searches' per-generation work, equal to numpy's bit for bit.
+"""The genetic searches' operators, as loops compiled by numba.
 
 A generation of :class:`~adaptrain.sched.PolluxPolicy`'s search (and of the default policy's
-genetic refinement) works on small arrays: some 50-125 candidates x 5-50 jobs x 16 nodes. On
-them numpy spends most of its time in the overhead of its calls, not in arithmetic: a whole
-generation on a single job took 1.7 ms, on ten jobs 2.1 ms (the heaviest artifact file runs
-some 118 000 generations). The crowding distance, for one, is 25 numpy calls over at most 125
-points.
+genetic refinement, :class:`~adaptrain.sched._plan.WeightedGeneticSearch`) works on small
+arrays: some 50-125 candidates x 5-50 jobs x 16 nodes. On them a numpy call spends most of its
+time in its own overhead, not in arithmetic, so each operator here is one compiled loop
+(``cache=True``: later processes load it from disk) and a generation is a few compiled calls
+between the generator's draws:
 
-With numba installed (in the ``sched`` and ``test`` extras; without it the numpy code runs),
-these run here as loops compiled once (``cache=True``: later processes load them from disk):
-the NSGA-II non-dominated sorting and crowding distance, the weighted search's evaluation, the
-repair of candidates and the sparse mutation (session 57); the tournaments and crossover, the
-dropping of duplicate children and the survival step (session 58), so that a generation is a
-few compiled calls between the generator's draws. They compute what the numpy code computes:
+- :func:`breed`: the binary tournaments and the one-point crossover over jobs;
+- :func:`mutate_rows`, :func:`mutate_cells`: the sparse mutation (the dense one, the
+  artifact's, is numpy code in :meth:`PolluxPolicy._mutation`);
+- :func:`repair_bounds`, :func:`repair_fill`: the repair (pinned jobs, interference,
+  replica and node bounds, node capacity, minimum replicas);
+- :func:`fresh_rows`: the dropping of duplicate children;
+- :func:`evaluate_weighted`: the weighted search's objectives;
+- :func:`nondominated_ranks`, :func:`crowding`, :func:`survive`: NSGA-II's non-dominated
+  sorting, crowding distance and survival.
 
-- in the same order of floating-point operations: sums over jobs follow numpy's pairwise
-  summation (:func:`_pairwise`), and products, quotients and differences are single IEEE
-  operations;
-- with the same random numbers: the callers draw them from the search's generator with
-  numpy, the same count in the same order (consecutive uniform draws merged into one call
-  read the same stream), and the kernels consume them where the numpy code would;
-- in the same order of sorting: stable sorts, as numpy's ``lexsort`` (the survivors by rank,
-  then by crowding distance, descending); a row's random order of nodes is the stable sort
-  of its draws, numpy's order whenever the draws differ (equal doubles among 16 draws: a
-  chance of about 2**-46);
-- with the same duplicates dropped: children equal to a parent, to an earlier child or to
-  each other, compared cell by cell (a row hash only narrows the comparisons);
-- with the same rules, quirks included: the interference repair drops every job after a
-  node's second multi-node job there, multi-node or not, as numpy's running count over jobs
-  (and the artifact's) does.
+Their results are defined to the last bit:
 
-So a search reads the same, candidate for candidate, with or without numba;
-``tests/sched/test_kernels.py`` checks each kernel against the numpy code on random inputs,
-and whole warm-started searches against the numpy searches.
+- the kernels draw no random numbers: the callers draw them from the search's generator with
+  numpy and pass them in, and a kernel consumes them in a fixed order;
+- sums over jobs follow numpy's pairwise summation (:func:`_pairwise`), so a candidate's
+  fitness is numpy's ``sum`` of its terms; products, quotients and differences are single
+  IEEE operations;
+- sorts are stable (the survivors by rank, then by crowding distance, descending, as
+  numpy's ``lexsort``); a row's random order of nodes is the stable sort of its draws;
+- duplicates are compared cell by cell (a row hash only narrows the comparisons);
+- the interference repair keeps the artifact's rule, quirk included: every job after a node's
+  second multi-node job there loses its replicas there, multi-node or not.
+
+``tests/sched/test_kernels.py`` checks each kernel against an independent reference on small
+random inputs (pymoo's NSGA-II sorting and crowding, brute-force Python loops).
 """
 
 from __future__ import annotations
@@ -41,10 +40,10 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import numba
 import numpy as np
 
 __all__ = [
-    "AVAILABLE",
     "breed",
     "crowding",
     "evaluate_weighted",
@@ -57,15 +56,6 @@ __all__ = [
     "repair_fill",
     "survive",
 ]
-
-try:  # pragma: no branch - one or the other per environment
-    import numba
-except ImportError:  # numba not installed (or not yet for this Python): numpy's code runs
-    numba = None
-
-#: whether the compiled kernels are in use (numba importable)
-AVAILABLE = numba is not None
-
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -98,7 +88,7 @@ def interruptible(method: _F) -> _F:
 
 def _njit(fn):
     # error_model="numpy": a float division by zero gives inf/nan as numpy does (not an error)
-    return numba.njit(cache=True, error_model="numpy", nogil=True)(fn) if AVAILABLE else fn
+    return numba.njit(cache=True, error_model="numpy", nogil=True)(fn)
 
 
 @_njit
@@ -174,7 +164,10 @@ def _row_sum(a):  # pragma: no cover - compiled
 
 @_njit
 def crowding(F, rank):  # pragma: no cover - compiled
-    """:func:`adaptrain.sched.pollux._crowding` (NSGA-II crowding distance per front)."""
+    """NSGA-II crowding distance of the points ``F`` (n x objectives) within each front
+    (``rank``): per front and objective, in a stable sort by value, the two ends infinite and
+    each inner point ``(next - previous) / (max - min)`` (0 on a flat front), summed over the
+    objectives."""
     n = F.shape[0]
     dist = np.zeros(n)
     if n == 0:
@@ -318,8 +311,8 @@ def repair_bounds(
                         for k in range(N):
                             if out[p, j, k] > 0:
                                 taken[k] = True
-            # as numpy's running count over jobs: once a node has seen a second multi-node
-            # job, every later job (multi-node or not) loses its replicas there
+            # a running count over jobs, as the artifact's: once a node has seen a second
+            # multi-node job, every later job (multi-node or not) loses its replicas there
             for j in range(J):
                 for k in range(N):
                     mask = multi[j] and not pinned[j] and out[p, j, k] > 0
@@ -341,7 +334,7 @@ def repair_fill(
 ):  # pragma: no cover - compiled
     """The second half of :meth:`adaptrain.sched.pollux.PolluxPolicy._repair`, in place on
     :func:`repair_bounds`' copy: each row of ``rows`` cut to its bounds with nodes kept in the
-    order of its ``draws`` (a stable sort: numpy's order whenever a row's draws differ), the
+    order of its ``draws`` (a stable sort), the
     pinned rows set again, node capacity filled in job order, and a job below its minimum
     emptied."""
     P, J, N = states.shape
@@ -462,8 +455,10 @@ def mutate_cells(states, picks, draws, cap):  # pragma: no cover - compiled
 
 @_njit
 def nondominated_ranks(F):  # pragma: no cover - compiled
-    """:func:`adaptrain.sched.pollux.nondominated_ranks` of an (n, 2) float64 array (the
-    same sort by (f0, f1), stable, and the same bisection of the fronts' smallest f1)."""
+    """Pareto rank (0 = non-dominated) of each row of the (n, 2) float64 array ``F``
+    (minimised). In a stable sort by (f0, f1), each point joins the first front none of whose
+    members dominates it; in that order a front's smallest f1 never exceeds the next front's,
+    so a bisection finds it."""
     n = F.shape[0]
     col0 = F[:, 0].copy()
     col1 = F[:, 1].copy()
@@ -503,8 +498,7 @@ def breed(pop, rank, crowd, a1, b1, a2, b2, points, coin):  # pragma: no cover -
     before mutation: two binary tournaments (``a1`` against ``b1``, ``a2`` against ``b2``:
     ``b`` wins on a lower rank, or on the same rank with a larger crowding distance), then a
     one-point crossover over jobs of each pair (the first ``points[i]`` jobs swapped where
-    ``coin[i] < 0.9``); the first children first, then the second, as the numpy code
-    concatenates them."""
+    ``coin[i] < 0.9``); the first children first, then the second."""
     m = a1.shape[0]
     J, N = pop.shape[1], pop.shape[2]
     out = np.empty((2 * m, J, N), dtype=pop.dtype)
@@ -550,9 +544,9 @@ def _same_row(a, i, b, k):  # pragma: no cover - compiled
 
 @_njit
 def fresh_rows(pop, off, new):  # pragma: no cover - compiled
-    """:meth:`adaptrain.sched.pollux.PolluxPolicy._dedupe` of ``new`` against ``pop`` and
-    ``off``: the indices of ``new``'s rows found in neither, each at its first occurrence, in
-    order (rows compared in full where their hashes agree)."""
+    """The children of ``new`` that are not duplicates: the indices of ``new``'s rows found
+    in neither ``pop`` nor ``off``, each at its first occurrence, in order (rows compared in
+    full where their hashes agree)."""
     hp, ho, hn = _row_hashes(pop), _row_hashes(off), _row_hashes(new)
     keep = np.empty(new.shape[0], dtype=np.int64)
     kept = 0

@@ -20,20 +20,10 @@ Speed: the operators are Pollux's with the same distributions, but random number
 only where an operator acts (the rows a mutation zeroes, the cells it redraws, the rows a
 repair must cut to their bounds) instead of for every (candidate, job, node) cell, and each
 generation breeds 1.5 x ``pop_size`` children at once, so that the duplicates it drops rarely
-call for a second batch. That halves the policy's time per round (0.15 -> 0.076 s on the
-heaviest workload file; ``benchmarks/results/sched.md``, session 24). :class:`PolluxPolicy`
-itself keeps the artifact's dense draws. Session 31 trimmed the shared operators without
-changing a single draw or result (mutation probabilities per (candidate, node), int32 running
-sums in the repair, the survivors' ranks carried over, one front layout for both crowding
-objectives, no unused rebased table): the same per-job completion times on the heaviest file,
-with 0.77 x the policy time. Session 33 moved the integer reductions over short axes (replicas
-and nodes per job, GPUs per node, running sums over jobs) to exact float64 matrix products
-(:mod:`adaptrain.sched._counts`) and the mutation's row resets and zeroings to in-place writes:
-the same allocations and warm-start populations on 220 replayed rounds (and for
-:class:`PolluxPolicy`), at 0.84-0.86 x the policy time. Session 55 computes only the speedup
-table's cells a search can look up (:meth:`PolluxPolicy._table_cells`: within the nodes'
-capacities), 0.47 x the cells: the round's set-up at 0.31 x its time on 297 replayed rounds of
-the heaviest file, the same JCTs there and for our Pollux on workload-3.
+call for a second batch; :class:`PolluxPolicy` itself keeps the artifact's dense draws. The
+objectives are evaluated by a compiled loop (:func:`adaptrain.sched._kernels.evaluate_weighted`),
+as the operators are, and the speedup table holds only the cells a search can look up
+(:meth:`PolluxPolicy._table_cells`: within the nodes' capacities).
 """
 
 from __future__ import annotations
@@ -44,8 +34,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from . import _kernels
-from ._counts import rows_differ, sum_nodes
-from .policy_base import Allocation, JobInfo, NodeInfo
+from .config import ClusterSpec
+from .policy_base import Allocation, JobInfo, NodeInfo, NodeKey
 from .pollux import PolluxPolicy, _crowding, nondominated_ranks
 
 logger = logging.getLogger(__name__)
@@ -95,7 +85,10 @@ class WeightedGeneticSearch(PolluxPolicy):
         check_min_nodes(min_nodes)
         self.min_nodes = min_nodes
         super().__init__(
-            pop_size=pop_size, generations=generations, restart_delay=restart_delay, seed=seed
+            pop_size=pop_size,
+            generations=generations,
+            seed=seed,
+            cluster=ClusterSpec(restart_delay=restart_delay),
         )
         if max_jobs_full < 1:
             raise ValueError(f"max_jobs_full={max_jobs_full} must be >= 1")
@@ -132,40 +125,21 @@ class WeightedGeneticSearch(PolluxPolicy):
         return table
 
     def _evaluate(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
-        """Per candidate ``(-FITNESS, -utility)``, both minimised; compiled where numba is
-        installed (:mod:`adaptrain.sched._kernels`, the same values)."""
-        if _kernels.AVAILABLE:
-            return _kernels.evaluate_weighted(
-                states,
-                base,
-                self._table,
-                self._nmax,
-                self._rmax,
-                self._restart_factor,
-                self._grow_costs,
-                self._weights,
-                self._cap,
-                _UNSCHEDULED_PENALTY,
-            )
-        return self._evaluate_numpy(states, base)
-
-    def _evaluate_numpy(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
-        """:meth:`_evaluate` in numpy."""
-        reps = sum_nodes(states)  # (candidates, jobs), shared by the terms below
-        speedups = self._speedups(states, reps)
-        restart = rows_differ(states, base)
-        factor = self._restart_factor[None]  # (1, jobs), broadcast over candidates
-        if self._grow_costs.any():  # a running job that grows keeps at most 1 - grow_cost
-            had = base.sum(axis=1)
-            grow = (reps > had[None]) & (had[None] > 0)
-            factor = np.where(grow, np.minimum(factor, 1.0 - self._grow_costs[None]), factor)
-        s = speedups * np.where(restart, factor, 1.0)
-        fit = (s * self._weights[None]).sum(axis=1)
-        fit = fit - _UNSCHEDULED_PENALTY * (speedups <= 0).sum(axis=1)
-        out = np.empty((len(fit), 2))  # (fitness, utility), both minimised
-        out[:, 0] = -fit
-        out[:, 1] = -self._utilities(states, speedups, reps)
-        return out
+        """Per candidate ``(-FITNESS, -utility)``, both minimised (compiled:
+        :func:`adaptrain.sched._kernels.evaluate_weighted`). The utility is Pollux's: the
+        jobs' speedups per replica weighted by their shares of the GPUs on the nodes in use."""
+        return _kernels.evaluate_weighted(
+            states,
+            base,
+            self._table,
+            self._nmax,
+            self._rmax,
+            self._restart_factor,
+            self._grow_costs,
+            self._weights,
+            self._cap,
+            _UNSCHEDULED_PENALTY,
+        )
 
     def _prepare(self, jobs, nodes, base_allocations, weights, grow_costs=None, other=None):
         """Order jobs and nodes, set up the speedup tables, weights and growth costs
@@ -187,10 +161,10 @@ class WeightedGeneticSearch(PolluxPolicy):
     def refine(
         self,
         jobs: Mapping[str, JobInfo],
-        nodes: Mapping[int, NodeInfo],
-        base_allocations: Mapping[str, Sequence[int]],
+        nodes: Mapping[NodeKey, NodeInfo],
+        base_allocations: Mapping[str, Sequence[NodeKey]],
         weights: Mapping[str, float],
-        seed_allocations: Mapping[str, Sequence[int]],
+        seed_allocations: Mapping[str, Sequence[NodeKey]],
         grow_costs: Mapping[str, float] | None = None,
     ) -> Allocation:
         """The best allocation found, or ``seed_allocations`` unless strictly improved on.
@@ -240,10 +214,10 @@ class WeightedGeneticSearch(PolluxPolicy):
     def fitness(
         self,
         jobs: Mapping[str, JobInfo],
-        nodes: Mapping[int, NodeInfo],
-        base_allocations: Mapping[str, Sequence[int]],
+        nodes: Mapping[NodeKey, NodeInfo],
+        base_allocations: Mapping[str, Sequence[NodeKey]],
         weights: Mapping[str, float],
-        allocations: Mapping[str, Sequence[int]],
+        allocations: Mapping[str, Sequence[NodeKey]],
         grow_costs: Mapping[str, float] | None = None,
     ) -> float:
         """FITNESS(allocations) of the module docstring (higher is better)."""

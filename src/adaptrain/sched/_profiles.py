@@ -27,7 +27,7 @@ One job's fit can be wrong where it has measured little. A job that jumps from o
 GPUs has a single multi-node measurement, which cannot separate the fixed and per-replica
 network costs. Its fit may then put one network cost on every multi-node size, and shared, it
 values every later job of the application low at 8-32 GPUs (a cifar10 fit in
-``benchmarks/results/sched.md``, session 62). With ``pool`` (K jobs) the shared parameters
+``benchmarks/results/sched.md``). With ``pool`` (K jobs) the shared parameters
 are refitted instead (:func:`~adaptrain.core.goodput.fit_perf_params`) to the fits of the K
 jobs of the application that have run on the most replicas, each read only at the
 configurations (nodes, replicas) it has run on. :meth:`observe` learns those from the
@@ -245,7 +245,7 @@ class ApplicationProfiles:
 
         if set(state) == {"apps", "configs"}:
             state, flat = state["apps"], state["configs"]
-        else:  # written before session 62: the applications alone
+        else:  # the older format: the applications alone
             flat = {}
         configs = {}
         for k, v in flat.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping
 
-from .policy_base import Allocation, JobInfo, NodeInfo, pack_replicas
+from .policy_base import Allocation, JobInfo, NodeInfo, NodeKey, pack_replicas
 
 __all__ = ["OptimusPolicy"]
 
@@ -26,8 +26,8 @@ class OptimusPolicy:
     def optimize(
         self,
         jobs: Mapping[str, JobInfo],
-        nodes: Mapping[int, NodeInfo],
-        base_allocations: Mapping[str, list[int]],
+        nodes: Mapping[NodeKey, NodeInfo],
+        base_allocations: Mapping[str, list[NodeKey]],
         time: float,
     ) -> Allocation:
         for key, job in jobs.items():

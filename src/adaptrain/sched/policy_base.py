@@ -2,20 +2,24 @@
 
 A policy maps (jobs' state, cluster, time) to an allocation: ``{job_key: [node_key, ...]}``
 with one node key per replica (a job with 3 replicas on node 2 and 1 on node 5 gets
-``[2, 2, 2, 5]``). Policies never touch the simulator; the simulator (and later the service)
-builds :class:`JobInfo`/:class:`NodeInfo` and calls :meth:`Policy.optimize`.
+``[2, 2, 2, 5]``). A node key is any sortable, hashable name: the simulator numbers its nodes,
+a service names them (a hostname, a Ray node ID). Policies order nodes by their keys, so keys
+of one cluster must be of one type. Policies never touch the simulator; the simulator and the
+service build :class:`JobInfo` (:func:`adaptrain.sched.jobs.job_info`) and :class:`NodeInfo`
+and call :meth:`Policy.optimize`.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 __all__ = [
     "Allocation",
     "JobInfo",
+    "NodeKey",
     "NodeInfo",
     "Policy",
     "check_allocations",
@@ -23,7 +27,9 @@ __all__ = [
     "pack_replicas",
 ]
 
-Allocation = dict[str, list[int]]
+#: A node's key: an index in the simulator, a name (hostname, Ray node ID) in a service.
+NodeKey = Hashable
+Allocation = dict[str, list[NodeKey]]
 
 
 @dataclass
@@ -94,7 +100,8 @@ class JobInfo:
 
 @dataclass
 class NodeInfo:
-    """A node with ``gpus`` free GPUs."""
+    """A node with ``gpus`` free GPUs (slots); ``preemptible``: it may be taken away at short
+    notice (a spot instance), so a policy places jobs there last."""
 
     gpus: int
     preemptible: bool = False
@@ -116,21 +123,21 @@ class Policy(Protocol):
     def optimize(
         self,
         jobs: Mapping[str, JobInfo],
-        nodes: Mapping[int, NodeInfo],
-        base_allocations: Mapping[str, list[int]],
+        nodes: Mapping[NodeKey, NodeInfo],
+        base_allocations: Mapping[str, list[NodeKey]],
         time: float,
     ) -> Allocation: ...
 
 
 def pack_replicas(
-    num_replicas: int, free_gpus: collections.Counter, node_order: list[int] | None = None
-) -> list[int]:
+    num_replicas: int, free_gpus: collections.Counter, node_order: list[NodeKey] | None = None
+) -> list[NodeKey]:
     """Place replicas greedily on the node with most free GPUs (ties: lowest key first).
 
     This is the placement of the artifact's Tiresias and Optimus (``Counter.most_common``);
     ``free_gpus`` is updated in place.
     """
-    alloc: list[int] = []
+    alloc: list[NodeKey] = []
     while len(alloc) < num_replicas:
         node, count = max(free_gpus.items(), key=lambda kv: kv[1])  # first max in order
         if count <= 0:
@@ -162,9 +169,9 @@ def replica_bound(policy: object, job: JobInfo) -> int:
 
 
 def check_allocations(
-    allocations: Mapping[str, list[int]],
+    allocations: Mapping[str, list[NodeKey]],
     jobs: Mapping[str, JobInfo],
-    nodes: Mapping[int, NodeInfo],
+    nodes: Mapping[NodeKey, NodeInfo],
     *,
     interference: bool = False,
     policy: object | None = None,

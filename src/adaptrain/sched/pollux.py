@@ -18,13 +18,12 @@ interference avoidance (at most one multi-node job per node), per-job maximum
 replicas, node capacity (jobs with least attained service first) and minimum replicas. The
 final population warm-starts the next round. The returned allocation maximises the fitness.
 
-The NSGA-II machinery (non-dominated sorting, crowding distance) is vectorised numpy over the
-whole population, as the issue allows; ``tests/sched/test_policies.py`` checks both against
-pymoo's implementations (ranks equal; crowding equal up to pymoo's averaging over objectives).
-With numba installed, a generation (tournaments and crossover, the repair, the sparse mutation,
-the dropping of duplicates, the non-dominated sorting, crowding distance and survival, and the
-weighted search's evaluation) runs as compiled loops with the same results and random draws
-(:mod:`adaptrain.sched._kernels`).
+A generation's operators (tournaments and crossover, the repair, the sparse mutation, the
+dropping of duplicates, the non-dominated sorting, crowding distance and survival) run as
+loops compiled by numba (:mod:`adaptrain.sched._kernels`), with the random numbers drawn here
+from the search's generator; the candidates' evaluation and the artifact's dense mutation are
+numpy code. ``tests/sched/test_policies.py`` checks the sorting and crowding against pymoo's
+implementations (ranks equal; crowding equal up to pymoo's averaging over objectives).
 """
 
 from __future__ import annotations
@@ -36,8 +35,9 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from . import _kernels
-from ._counts import count_nodes, cumsum_jobs, cumsum_row, rows_differ, sum_jobs, sum_nodes
-from .policy_base import Allocation, JobInfo, NodeInfo
+from ._counts import count_nodes, rows_differ, sum_jobs, sum_nodes
+from .config import ClusterSpec
+from .policy_base import Allocation, JobInfo, NodeInfo, NodeKey
 
 logger = logging.getLogger(__name__)
 
@@ -53,103 +53,16 @@ def nondominated_ranks(F: np.ndarray) -> np.ndarray:
     F = np.asarray(F, dtype=np.float64)
     if F.ndim != 2 or F.shape[1] != 2:
         raise ValueError(f"expected an (n, 2) objective array, got shape {F.shape}")
-    if _kernels.AVAILABLE:  # compiled (adaptrain.sched._kernels): the same ranks
-        return _kernels.nondominated_ranks(F)
-    return _nondominated_ranks_numpy(F)
-
-
-def _nondominated_ranks_numpy(F: np.ndarray) -> np.ndarray:
-    """:func:`nondominated_ranks` in numpy and Python."""
-    import bisect
-
-    order = np.lexsort((F[:, 1], F[:, 0]))
-    rank = np.empty(len(F), dtype=np.int64)
-    mins: list[float] = []  # smallest f1 of each front
-    f0_at_min: list[float] = []  # smallest f0 among that front's members attaining it
-    col0, col1 = F[:, 0].tolist(), F[:, 1].tolist()  # Python floats: faster to compare
-    for i in order.tolist():
-        f0, f1 = col0[i], col1[i]
-        k = bisect.bisect_left(mins, f1)
-        while k < len(mins) and mins[k] == f1 and f0_at_min[k] < f0:
-            k += 1
-        if k == len(mins):
-            mins.append(f1)
-            f0_at_min.append(f0)
-        elif f1 < mins[k]:
-            mins[k] = f1
-            f0_at_min[k] = f0
-        rank[i] = k
-    return rank
+    return _kernels.nondominated_ranks(F)
 
 
 def _crowding(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """NSGA-II crowding distance within each front (boundary points: infinity); compiled
-    where numba is installed (:mod:`adaptrain.sched._kernels`, the same values)."""
-    if _kernels.AVAILABLE:
-        return _kernels.crowding(np.asarray(F, dtype=np.float64), np.asarray(rank, dtype=np.int64))
-    return _crowding_numpy(F, rank)
-
-
-def _crowding_numpy(F: np.ndarray, rank: np.ndarray) -> np.ndarray:
-    """:func:`_crowding` in numpy."""
-    n = len(F)
-    dist = np.zeros(n)
-    if n == 0:
-        return dist
-    # sorted by rank first, the fronts occupy the same positions for every objective
-    r = np.sort(rank)
-    lo = np.ones(n, dtype=bool)
-    hi = np.ones(n, dtype=bool)
-    lo[1:] = r[1:] != r[:-1]  # first of its front
-    hi[:-1] = r[:-1] != r[1:]  # last of its front
-    first, last = np.flatnonzero(lo), np.flatnonzero(hi)
-    edge = lo | hi
-    idx = np.flatnonzero(~edge)  # inner points
-    front = (np.cumsum(lo) - 1)[idx]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for m in range(F.shape[1]):
-            order = np.lexsort((F[:, m], rank))
-            f = F[order, m]
-            span = (f[last] - f[first])[front]  # sorted within each front: max - min
-            d = np.empty(n)
-            d[idx] = np.where(span > 0, (f[idx + 1] - f[idx - 1]) / span, 0.0)
-            d[edge] = np.inf
-            dist[order] += d
-    return dist
-
-
-def _breed_numpy(pop, rank, crowd, a1, b1, a2, b2, points, coin) -> np.ndarray:
-    """:func:`adaptrain.sched._kernels.breed` in numpy: binary tournaments (``b`` wins on a
-    lower rank, or on the same rank with a larger crowding distance), then a one-point
-    crossover over jobs where ``coin < 0.9``; the first children, then the second."""
-
-    def winners(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        better_b = (rank[b] < rank[a]) | ((rank[b] == rank[a]) & (crowd[b] > crowd[a]))
-        return np.where(better_b, b, a)
-
-    x, y = pop[winners(a1, b1)], pop[winners(a2, b2)]
-    mask = ((np.arange(pop.shape[1])[None, :] < points) & (coin < 0.9))[:, :, None]
-    return np.concatenate([np.where(mask, y, x), np.where(mask, x, y)])
+    """NSGA-II crowding distance within each front (boundary points: infinity; see
+    :func:`adaptrain.sched._kernels.crowding`)."""
+    return _kernels.crowding(np.asarray(F, dtype=np.float64), np.asarray(rank, dtype=np.int64))
 
 
 _STATE_DTYPE = np.int16  # replica counts per (job, node) cell
-
-
-def _fill_in_order(states: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """Per (candidate, node), the replicas of ``states`` (candidates x jobs x nodes) kept in
-    job order until the node's ``cap`` is reached (running sums in int32)."""
-    st = cumsum_jobs(states)
-    np.minimum(st, cap.astype(np.int32)[None, None, :], out=st)
-    out = np.empty(st.shape, dtype=_STATE_DTYPE)
-    out[:, :1] = st[:, :1]
-    np.subtract(st[:, 1:], st[:, :-1], out=out[:, 1:], casting="unsafe")
-    return out
-
-
-def _row_bytes(states: np.ndarray) -> list[bytes]:
-    """Each candidate's bytes (``row.tobytes()`` per row, in one call)."""
-    flat = np.ascontiguousarray(states.reshape(len(states), math.prod(states.shape[1:])))
-    return flat.view(np.dtype((np.void, flat.shape[1] * flat.itemsize))).ravel().tolist()
 
 
 class PolluxPolicy:
@@ -167,24 +80,26 @@ class PolluxPolicy:
         self,
         pop_size: int = 100,
         generations: int = 100,
-        restart_delay: float = 30.0,
         p: float = -1.0,
         interference_avoidance: bool = True,
         max_nodes_per_job: int = 16,
         seed: int | None = 0,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         if pop_size < 2 or generations < 1:
             raise ValueError(f"pop_size={pop_size} must be >= 2 and generations={generations} >= 1")
         self.pop_size = pop_size
         self.generations = generations
-        self.restart_delay = restart_delay
+        #: the cluster's facts; the restart penalty uses its ``restart_delay``
+        self.cluster = ClusterSpec() if cluster is None else cluster
+        self.restart_delay = self.cluster.restart_delay
         self.p = p
         self.interference_avoidance = interference_avoidance
         self.max_nodes_per_job = max_nodes_per_job
         self.rng = np.random.default_rng(seed)
         self._prev_states: np.ndarray | None = None
         self._prev_jobs: list[str] = []
-        self._prev_nodes: list[int] = []
+        self._prev_nodes: list[NodeKey] = []
 
     def state_dict(self) -> dict:
         """Warm-start population, its job/node keys and the generator state."""
@@ -202,7 +117,7 @@ class PolluxPolicy:
         self._prev_nodes = list(state["prev_nodes"])
         self.rng.bit_generator.state = state["rng"]
 
-    def allocate_job(self, job: JobInfo, nodes: Mapping[int, NodeInfo]) -> list[int]:
+    def allocate_job(self, job: JobInfo, nodes: Mapping[NodeKey, NodeInfo]) -> list[NodeKey]:
         """AdaptDL's placement of one job arriving between rounds (``PolluxPolicy.allocate_job``
         in ``adaptdl_sched``): ``max(min_replicas, 1)`` replicas on the first node with that
         many free GPUs (``nodes[n].gpus``), non-preemptible nodes first, then by key; ``[]`` if
@@ -312,11 +227,10 @@ class PolluxPolicy:
                 table[j][ok] = fn_r(n_grid[ok], r_grid[ok])
         return table
 
-    def _speedups(self, states: np.ndarray, reps: np.ndarray | None = None) -> np.ndarray:
-        """Each candidate's speedup per job; ``reps`` = ``states.sum(axis=2)`` if the caller
-        has it already."""
+    def _speedups(self, states: np.ndarray) -> np.ndarray:
+        """Each candidate's speedup per job."""
         n = np.minimum(count_nodes(states), self._nmax)
-        r = np.minimum(sum_nodes(states) if reps is None else reps, self._rmax)
+        r = np.minimum(sum_nodes(states), self._rmax)
         _, n_size, r_size = self._table.shape  # table[j, n, r], by its flat (C-order) index
         job = np.arange(states.shape[1])[None, :] * (n_size * r_size)
         return np.take(self._table, job + n * r_size + r)
@@ -334,10 +248,10 @@ class PolluxPolicy:
             mean = (((scaled + 1e-3) ** p).sum(axis=1) / J) ** (1.0 / p)
         return np.column_stack([-mean, -self._utilities(states, speedups)])
 
-    def _utilities(
-        self, states: np.ndarray, speedups: np.ndarray, reps: np.ndarray | None = None
-    ) -> np.ndarray:
-        reps = sum_nodes(states) if reps is None else reps
+    def _utilities(self, states: np.ndarray, speedups: np.ndarray) -> np.ndarray:
+        """Each candidate's cluster utility: the jobs' speedups per replica weighted by their
+        shares of the GPUs on the nodes in use."""
+        reps = sum_nodes(states)
         active = sum_jobs(states) > 0
         total = (active @ self._cap)[:, None]  # GPUs on the nodes in use
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -347,42 +261,36 @@ class PolluxPolicy:
 
     # ---- genetic operators ------------------------------------------------------------------
     def _mutation(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
-        """Mutated copies of ``states`` (see the module docstring); the sparse draws compiled
-        where numba is installed (:mod:`adaptrain.sched._kernels`: the same values and
-        random draws, merged into fewer calls of the generator)."""
-        if not (_kernels.AVAILABLE and self._sparse_draws):
-            return self._mutation_numpy(states, base)
+        """Mutated copies of ``states`` (see the module docstring). With sparse draws, random
+        numbers only for the rows and cells the operators act on, the rest compiled
+        (:mod:`adaptrain.sched._kernels`: ``mutate_rows``, then ``mutate_cells``); else the
+        artifact's dense draws (:meth:`_dense_mutation`)."""
+        if not self._sparse_draws:
+            return self._dense_mutation(states, base)
         P, J, N = states.shape
-        # the reset and the pick draws of the numpy code, one after the other in one call
+        # a reset draw per (candidate, job) row, then a draw picking rows to zero: one call
         draws = self.rng.random((2, P, J))
         out, picked = _kernels.mutate_rows(
             np.ascontiguousarray(states, dtype=_STATE_DTYPE),
             np.asarray(base, dtype=_STATE_DTYPE),
             draws,
         )
-        # the picked rows' zeroing draws, then one per cell: again one call
+        # a zeroing draw per node of each picked row, then one per cell: again one call
         cells, low, high = _kernels.mutate_cells(
             out, draws[1], self.rng.random(picked * N + P * J * N), self._cap
         )
         out.reshape(-1)[cells] = self.rng.integers(low, high)
         return out
 
-    def _mutation_numpy(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
-        """:meth:`_mutation` in numpy."""
+    def _dense_mutation(self, states: np.ndarray, base: np.ndarray) -> np.ndarray:
+        """:meth:`_mutation` with a random draw for every row and cell, as the artifact's."""
         rng = self.rng
         P, J, N = states.shape
         reset = np.nonzero(rng.random((P, J)) < 0.1)  # rows back to the current allocation
         states = states.copy()
         states[reset] = base[reset[1]]
-        if self._sparse_draws:  # draw only for the rows picked (the same distribution)
-            picked = np.nonzero(rng.random((P, J)) < 0.1)
-            zero = rng.random((picked[0].size, N)) < 0.1
-            rows = states[picked]
-            rows[zero] = 0
-            states[picked] = rows
-        else:
-            prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
-            states[rng.random(states.shape) < prob[:, :, None]] = 0
+        prob = np.where(rng.random((P, J)) < 0.1, 0.1, 0.0)
+        states[rng.random(states.shape) < prob[:, :, None]] = 0
         # A cell mutates with probability p1 + p2 - p1 p2: p1 = 1/J on a node with a free GPU
         # (any job), p2 = 1/(jobs there) for a job already on such a node. Both depend on
         # (candidate, node) only, so they are computed per node and broadcast over jobs.
@@ -392,21 +300,18 @@ class PolluxPolicy:
         prob2 = 1.0 / np.maximum(sum_jobs(on_free), 1)  # (P, N), where on_free
         both = prob1 + prob2 - prob1 * prob2
         m = rng.random(states.shape) < np.where(on_free, both[:, None, :], prob1[:, None, :])
-        if self._sparse_draws:  # a new count only for the cells mutated
-            out = states.astype(_STATE_DTYPE)
-            cells = np.flatnonzero(m)  # C order, as boolean indexing
-            hi = self._cap[cells % N]
-            out.reshape(-1)[cells] = rng.integers(np.minimum(states.reshape(-1)[cells], hi), hi + 1)
-            return out
         hi = np.broadcast_to(self._cap[None, None, :], states.shape)
         r = rng.integers(np.minimum(states, hi), hi + 1)
         return np.where(m, r, states).astype(_STATE_DTYPE)
 
     def _repair(self, states: np.ndarray) -> np.ndarray:
-        """Candidates made feasible (see the module docstring); compiled where numba is
-        installed (:mod:`adaptrain.sched._kernels`: the same values and random draws)."""
-        if not _kernels.AVAILABLE:
-            return self._repair_numpy(states)
+        """Candidates made feasible (see the module docstring), compiled
+        (:func:`~adaptrain.sched._kernels.repair_bounds`, then
+        :func:`~adaptrain.sched._kernels.repair_fill`): non-preemptible running jobs keep their
+        allocation and the others yield to them; on each node only the first multi-node job
+        keeps its replicas; a row over its job's replica or node bound is cut to it, keeping
+        nodes in a random order; node capacity goes to jobs in job order; a job left below
+        its minimum gets nothing."""
         P, J, N = states.shape
         out, rows = _kernels.repair_bounds(
             np.ascontiguousarray(states, dtype=_STATE_DTYPE),
@@ -416,7 +321,7 @@ class PolluxPolicy:
             self._max_rep,
             int(self.max_nodes_per_job),
         )
-        if not self._sparse_draws:  # a random order of nodes for every row, as below
+        if not self._sparse_draws:  # a random order of nodes for every row (the artifact's)
             rows = np.arange(P * J, dtype=np.int64)
         draws = self.rng.random((rows.size, N))
         return _kernels.repair_fill(
@@ -431,62 +336,11 @@ class PolluxPolicy:
             self._min_rep,
         )
 
-    def _repair_numpy(self, states: np.ndarray) -> np.ndarray:
-        """:meth:`_repair` in numpy."""
-        states = states.copy()
-        # non-preemptible running jobs keep their exact allocation, whatever the operators did;
-        # the other jobs yield to them (capacity first, nodes of a pinned multi-node job)
-        pinned, free = self._pinned, ~self._pinned
-        any_pinned = bool(pinned.any())
-        states[:, pinned] = self._pinned_rows[None]
-        # interference avoidance: on each node only the first multi-node job (in job order,
-        # by running counts over jobs) keeps its replicas
-        if self.interference_avoidance:
-            distributed = count_nodes(states) > 1
-            mask = (states > 0) & distributed[:, :, None]
-            if any_pinned:
-                taken = mask[:, pinned].any(axis=1)  # (P, N): nodes of pinned multi-node jobs
-                mask &= free[None, :, None]
-                drop = (cumsum_jobs(mask) > 1) | (mask & taken[:, None, :])
-                drop[:, pinned] = False
-            else:
-                drop = cumsum_jobs(mask) > 1
-            states[drop] = 0
-        # Max replicas per job and max nodes per job, filling nodes in a random order.
-        P, J, N = states.shape
-        flat = states.reshape(-1, N)  # a view: rows are (candidate, job) pairs
-        if self._sparse_draws:  # only the rows over a bound (the others are unchanged)
-            over = (sum_nodes(states) > self._max_rep[None]).reshape(-1) | (
-                count_nodes(states).reshape(-1) > self.max_nodes_per_job
-            )
-            rows = np.flatnonzero(over)
-            if rows.size:
-                flat[rows] = self._cap_rows(flat[rows], self._max_rep[rows % J])
-        else:
-            flat[:] = self._cap_rows(flat, np.tile(self._max_rep, P))
-        # Node capacity: pinned jobs keep theirs, then jobs earlier in priority order.
-        if any_pinned:
-            states[:, pinned] = self._pinned_rows[None]
-            left = np.maximum(self._cap - self._pinned_rows.sum(axis=0), 0)
-            states[:, free] = _fill_in_order(states[:, free], left)
-        else:  # no copy of the (all free) jobs' rows
-            states = _fill_in_order(states, self._cap)
-        below = (sum_nodes(states) < self._min_rep[None, :]) & free[None, :]
-        states[below] = 0
-        return states.astype(_STATE_DTYPE, copy=False)
-
-    def _cap_rows(self, rows: np.ndarray, max_rep: np.ndarray) -> np.ndarray:
-        """Each row (replicas per node) cut to ``max_rep`` replicas and ``max_nodes_per_job``
-        nodes, keeping nodes in a random order."""
-        shuffle = np.argsort(self.rng.random(rows.shape), axis=1)
-        st = np.take_along_axis(rows, shuffle, axis=1)
-        st = np.diff(np.minimum(cumsum_row(st), max_rep[:, None]), axis=1, prepend=0)
-        keep = np.diff(np.minimum(cumsum_row(st > 0), self.max_nodes_per_job), axis=1, prepend=0)
-        st[keep == 0] = 0
-        return np.take_along_axis(st, np.argsort(shuffle, axis=1), axis=1)
-
     def _keep_pinned(
-        self, out: Allocation, job_keys: list[str], base_allocations: Mapping[str, Sequence[int]]
+        self,
+        out: Allocation,
+        job_keys: list[str],
+        base_allocations: Mapping[str, Sequence[NodeKey]],
     ) -> Allocation:
         """``out`` with each pinned job's allocation as given (its own order of nodes: a
         reordered list would read as a restart)."""
@@ -497,24 +351,13 @@ class PolluxPolicy:
                 out[key] = alloc
         return out
 
-    @staticmethod
-    def _dedupe(pop: np.ndarray, off: np.ndarray) -> np.ndarray:
-        flat_pop = set(_row_bytes(pop))
-        keep, seen = [], set()
-        for i, key in enumerate(_row_bytes(off)):
-            if key in flat_pop or key in seen:
-                continue
-            seen.add(key)
-            keep.append(i)
-        return off[keep]
-
     # ---- main entry -------------------------------------------------------------------------
     @_kernels.interruptible
     def optimize(
         self,
         jobs: Mapping[str, JobInfo],
-        nodes: Mapping[int, NodeInfo],
-        base_allocations: Mapping[str, list[int]],
+        nodes: Mapping[NodeKey, NodeInfo],
+        base_allocations: Mapping[str, list[NodeKey]],
         time: float,
     ) -> Allocation:
         """One Pollux round: allocations maximising the fitness found by the genetic search."""
@@ -547,7 +390,7 @@ class PolluxPolicy:
         out = self._allocations(pop[best], job_keys, node_keys)
         return self._keep_pinned(out, job_keys, base_allocations)
 
-    def _remember(self, pop: np.ndarray, job_keys: list[str], node_keys: list[int]) -> None:
+    def _remember(self, pop: np.ndarray, job_keys: list[str], node_keys: list[NodeKey]) -> None:
         """Keep the final population as the next round's warm start."""
         self._prev_states = pop.copy()
         self._prev_jobs = list(job_keys)
@@ -555,7 +398,7 @@ class PolluxPolicy:
 
     @staticmethod
     def _matrix(
-        allocations: Mapping[str, Sequence[int]], job_keys: list[str], node_keys: list[int]
+        allocations: Mapping[str, Sequence[NodeKey]], job_keys: list[str], node_keys: list[NodeKey]
     ) -> np.ndarray:
         """Allocations as a jobs x nodes matrix of replica counts (unknown keys ignored)."""
         jidx = {k: i for i, k in enumerate(job_keys)}
@@ -569,11 +412,13 @@ class PolluxPolicy:
         return out
 
     @staticmethod
-    def _allocations(state: np.ndarray, job_keys: list[str], node_keys: list[int]) -> Allocation:
+    def _allocations(
+        state: np.ndarray, job_keys: list[str], node_keys: list[NodeKey]
+    ) -> Allocation:
         """A jobs x nodes matrix of replica counts as allocations (node keys in order)."""
         out: Allocation = {}
         for j, key in enumerate(job_keys):
-            alloc: list[int] = []
+            alloc: list[NodeKey] = []
             for n, node in enumerate(node_keys):
                 alloc.extend([node] * int(state[j, n]))
             out[key] = alloc
@@ -582,12 +427,8 @@ class PolluxPolicy:
     def _generation(self, pop, F, rank, crowd, base: np.ndarray):
         """One NSGA-II generation: children bred by tournaments, crossover, mutation and repair
         (duplicates of the population dropped, up to five batches), then the fittest
-        ``pop_size`` of parents and children by (rank, -crowding). Compiled where numba is
-        installed (:mod:`adaptrain.sched._kernels`: the same draws in the same order, the same
-        population); numpy otherwise."""
+        ``pop_size`` of parents and children by (rank, -crowding)."""
         rng = self.rng
-        compiled = _kernels.AVAILABLE
-        breed = _kernels.breed if compiled else _breed_numpy
         n_mate = max(1, int(self.pop_size * self._offspring_factor) // 2)
         P, J = len(pop), pop.shape[1]
         off = pop[:0]
@@ -596,12 +437,9 @@ class PolluxPolicy:
             a1, b1 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
             a2, b2 = rng.integers(P, size=n_mate), rng.integers(P, size=n_mate)
             points, coin = rng.integers(J, size=(n_mate, 1)), rng.random((n_mate, 1))
-            new = breed(pop, rank, crowd, a1, b1, a2, b2, points, coin)
+            new = _kernels.breed(pop, rank, crowd, a1, b1, a2, b2, points, coin)
             new = self._repair(self._mutation(new, base))
-            if compiled:
-                new = new[_kernels.fresh_rows(pop, off, new)]
-            else:
-                new = self._dedupe(np.concatenate([pop, off]), new)
+            new = new[_kernels.fresh_rows(pop, off, new)]  # no duplicates of pop, off or new
             off = np.concatenate([off, new])
             if len(off) >= self.pop_size:
                 break
@@ -609,20 +447,11 @@ class PolluxPolicy:
         if len(off) == 0:
             return pop, F, rank, crowd
         F_off = self._evaluate(off, base)
-        if compiled:
-            return _kernels.survive(pop, off, F, F_off, self.pop_size)
-        merged = np.concatenate([pop, off])
-        Fm = np.concatenate([F, F_off])
-        rank = nondominated_ranks(Fm)
-        crowd = _crowding(Fm, rank)
-        order = np.lexsort((-crowd, rank))[: self.pop_size]
-        pop, F = merged[order], Fm[order]
         # the survivors keep their ranks: every front but the last is taken whole, and a
         # point's dominators lie in earlier fronts (so recomputing them gives the same)
-        rank = rank[order]
-        return pop, F, rank, _crowding(F, rank)
+        return _kernels.survive(pop, off, F, F_off, self.pop_size)
 
-    def _adapt_prev(self, job_keys: list[str], node_keys: list[int]) -> np.ndarray:
+    def _adapt_prev(self, job_keys: list[str], node_keys: list[NodeKey]) -> np.ndarray:
         prev = self._prev_states
         states = np.zeros((len(prev), len(job_keys), len(node_keys)), dtype=_STATE_DTYPE)
         prev_j = {k: i for i, k in enumerate(self._prev_jobs)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Mapping
 
-from .policy_base import Allocation, JobInfo, NodeInfo, pack_replicas
+from .policy_base import Allocation, JobInfo, NodeInfo, NodeKey, pack_replicas
 
 __all__ = ["TiresiasPolicy"]
 
@@ -36,8 +36,8 @@ class TiresiasPolicy:
     def optimize(
         self,
         jobs: Mapping[str, JobInfo],
-        nodes: Mapping[int, NodeInfo],
-        base_allocations: Mapping[str, list[int]],
+        nodes: Mapping[NodeKey, NodeInfo],
+        base_allocations: Mapping[str, list[NodeKey]],
         time: float,
     ) -> Allocation:
         now = int(time)

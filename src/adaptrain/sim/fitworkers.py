@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -34,6 +35,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from ..procs import die_with_parent
 from .job import GoodputMemos, SimJob
 from .traces import Application
 
@@ -62,6 +64,10 @@ def _sigint_held() -> Iterator[list[int]]:
     the main thread then raises at once.) Outside the main thread, where no handler can be
     set, or under a handler set outside Python, which could not be put back, the block runs
     as it is. Yields the signals held so far (empty or ``[SIGINT]``).
+
+    A SIGTERM that :func:`adaptrain.procs.sigterm_as_interrupt` hands to this SIGINT handler is
+    held the same way, and raised again as SIGTERM: it then interrupts even where SIGINT is
+    ignored (a background job).
     """
     held: list[int] = []
     previous = signal.getsignal(signal.SIGINT)
@@ -76,7 +82,7 @@ def _sigint_held() -> Iterator[list[int]]:
         # a second Ctrl-C: the user insists, so it is delivered at once
         held.clear()
         signal.signal(signal.SIGINT, previous)
-        signal.raise_signal(signal.SIGINT)
+        signal.raise_signal(signum)
 
     signal.signal(signal.SIGINT, hold)
     try:
@@ -84,7 +90,7 @@ def _sigint_held() -> Iterator[list[int]]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if held:
-            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(held[0])
 
 
 def _speculate(
@@ -101,8 +107,14 @@ def _speculate(
     return fits, bszs
 
 
-def _worker(tasks, results, claims, owners, lock, apps: dict[str, Application]) -> None:
-    """A worker process: claim each task still free, run it, send its memo entries back."""
+def _worker(
+    tasks, results, claims, owners, lock, apps: dict[str, Application], parent: int | None = None
+) -> None:
+    """A worker process: claim each task still free, run it, send its memo entries back.
+
+    It ends with the simulating process ``parent`` (its process id), however that one ends: a
+    worker left behind would hold multiprocessing's resource tracker alive with it."""
+    die_with_parent(parent)
     # Ctrl-C reaches the whole process group: the simulating process handles it and closes
     # its workers, which must not print a traceback of their own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -139,7 +151,10 @@ class FitPrefetcher:
     Use as a context manager, or call :meth:`close`: it owns the worker processes. They are
     started with the ``spawn`` method (no fork of a process that may hold BLAS or torch
     threads: a script that simulates with workers must guard its entry point with
-    ``if __name__ == "__main__":``) and receive ``applications`` once.
+    ``if __name__ == "__main__":``) and receive ``applications`` once. They end with the
+    process that created them, even one killed with SIGKILL
+    (:func:`adaptrain.procs.die_with_parent`; on Linux, when the *thread* that created them
+    ends, so create the prefetcher in the thread that uses it and closes it).
     """
 
     def __init__(
@@ -180,7 +195,7 @@ class FitPrefetcher:
             ctx.Process(
                 target=_worker,
                 args=(self._tasks, self._results, self._claims, self._owners, self._lock),
-                kwargs={"apps": dict(applications)},
+                kwargs={"apps": dict(applications), "parent": os.getpid()},
                 daemon=True,
                 name=f"adaptrain-fit-prefetch-{i}",
             )

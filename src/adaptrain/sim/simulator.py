@@ -1,6 +1,7 @@
 """Trace-driven cluster simulator with the semantics of the Pollux OSDI'21 artifact.
 
-Every ``interval`` seconds: (1) each job advances through its measured profile: a reallocated
+Every round of the cluster's ``round_seconds`` (:class:`~adaptrain.sched.config.ClusterSpec`):
+(1) each job advances through its measured profile: a reallocated
 job first waits ``restart_delay`` seconds (checkpoint-restart), then makes statistical progress
 at ``gain / step_time`` per second where ``gain = (var + sqr) / (var / s + sqr)`` (``s`` = batch
 size over the initial one, ``sqr``/``var`` from ``validation-<bsz>.csv`` for the current epoch) and
@@ -25,7 +26,7 @@ JCT = completion time - submission time.
 
 Times: as in the artifact, the time to cross an epoch boundary is rounded to whole seconds when
 the round length, the job's clock and its restart delay are whole (the standard configuration:
-60 s rounds, 30 s restarts); otherwise (e.g. ``interval=45.5``) it is kept exact.
+60 s rounds, 30 s restarts); otherwise (e.g. 45.5 s rounds) it is kept exact.
 
 Limits: a job never gets more replicas than the cluster has GPUs nor more than its application's
 traces measure (64 in the artifact's traces: no throughput is known beyond). A fixed-size
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaptrain.sched.config import ClusterSpec
 from adaptrain.sched.jobs import JobReport, job_info
 from adaptrain.sched.policy_base import Allocation, JobInfo, NodeInfo, check_allocations
 
@@ -164,7 +166,12 @@ class SimResult:
 
 
 class Simulator:
-    """A cluster of ``num_nodes`` x ``gpus_per_node`` GPUs replaying a workload under a policy.
+    """A cluster of ``num_nodes`` nodes replaying a workload under a policy.
+
+    ``cluster`` holds the cluster's facts (GPUs per node, round length, restart delay); by
+    default the policy's own ``cluster`` where it has one, else :class:`ClusterSpec`'s
+    defaults. A policy whose ``cluster`` differs from the simulator's is refused with a
+    ``ValueError``: it would price its decisions for another cluster.
 
     ``fit_workers`` > 0 computes the adaptive jobs' goodput refits ahead in that many worker
     processes while the policy decides each round (:mod:`adaptrain.sim.fitworkers`), with the
@@ -180,9 +187,7 @@ class Simulator:
         policy,
         *,
         num_nodes: int = 16,
-        gpus_per_node: int = 4,
-        interval: float = 60.0,
-        restart_delay: float = 30.0,
+        cluster: ClusterSpec | None = None,
         interference: float = 0.0,
         check: bool = True,
         record_timeline: bool = False,
@@ -190,18 +195,20 @@ class Simulator:
         fit_workers: int = 0,
         memos: GoodputMemos | None = None,
     ) -> None:
-        if not (math.isfinite(interval) and interval > 0):
-            raise ValueError(f"interval={interval} must be a finite number of seconds > 0")
-        if num_nodes < 1 or gpus_per_node < 1:
+        own = getattr(policy, "cluster", None)
+        if cluster is None:
+            cluster = own if isinstance(own, ClusterSpec) else ClusterSpec()
+        elif not isinstance(cluster, ClusterSpec):
+            raise ValueError(f"cluster={cluster!r} must be an adaptrain.sched.ClusterSpec")
+        if isinstance(own, ClusterSpec) and own != cluster:
             raise ValueError(
-                f"cluster of num_nodes={num_nodes} x gpus_per_node={gpus_per_node} must have "
-                ">= 1 node and >= 1 GPU per node"
+                f"the policy's cluster {own} differs from the simulator's {cluster}: give both "
+                "the same ClusterSpec (the policy prices its decisions with it)"
             )
-        if not (math.isfinite(restart_delay) and restart_delay >= 0):
-            raise ValueError(
-                f"restart_delay={restart_delay} must be a finite number of seconds >= 0 "
-                "(0: restarts are free)"
-            )
+        if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+            raise ValueError(f"num_nodes={num_nodes!r} must be an int >= 1")
+        self.cluster = cluster
+        gpus_per_node, restart_delay = cluster.gpus_per_node, cluster.restart_delay
         if not 0.0 <= interference < 1.0:
             raise ValueError(
                 f"interference={interference} must lie in [0, 1): the fraction of goodput a "
@@ -224,7 +231,7 @@ class Simulator:
         self.kind = job_kind_for_policy(getattr(policy, "name", ""))
         self.num_nodes = num_nodes
         self.gpus_per_node = gpus_per_node
-        self.interval = interval
+        self.interval = cluster.round_seconds
         self.interference = interference
         self.check = check
         self.record_timeline = record_timeline

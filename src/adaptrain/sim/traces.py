@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "APPLICATION_DEFAULTS",
+    "PACKAGED_TRACES",
     "Application",
     "WorkloadJob",
     "default_traces_dir",
@@ -355,12 +356,15 @@ def _integer(text: str, column: str, where: str) -> int:
         raise ValueError(f"{where}: {column} {text!r} is not an integer") from None
 
 
+#: The artifact's per-model traces shipped with the package (``data/traces/NOTICE`` gives their
+#: source and licence).
+PACKAGED_TRACES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "traces")
+
+
 def default_traces_dir() -> str | None:
-    """``shared/data/pollux/traces`` next to the checkout, if it exists."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    for up in range(3, 7):
-        root = os.path.normpath(os.path.join(here, *[".."] * up))
-        cand = os.path.join(root, "shared", "data", "pollux", "traces")
-        if os.path.isdir(cand):
-            return cand
+    """The Pollux artifact's per-model traces installed with the package (bert, cifar10,
+    deepspeech2, imagenet, ncf, yolov3: :data:`PACKAGED_TRACES`), or None if that folder is
+    missing (an install that left out the package data)."""
+    if os.path.isfile(os.path.join(PACKAGED_TRACES, "bert", "placements.csv")):
+        return PACKAGED_TRACES
     return None
