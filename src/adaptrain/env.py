@@ -13,14 +13,18 @@ workers can join (an ``ADAPTRAIN_MASTER_*`` that disagrees is logged and ignored
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 __all__ = [
     "adaptdl_sched_version",
     "adaptrain_sched_version",
+    "checkpoint_interval",
     "checkpoint_path",
     "from_ray",
+    "hints_interval",
     "job_id",
+    "job_token",
     "local_rank",
     "master_addr",
     "master_port",
@@ -28,6 +32,8 @@ __all__ = [
     "num_replicas",
     "num_restarts",
     "replica_rank",
+    "server_token",
+    "server_url",
     "share_path",
     "supervisor_url",
     "tensorboard_path",
@@ -64,6 +70,28 @@ def _get_int(
     if bounds is not None and not bounds[0] <= number <= bounds[1]:
         raise ValueError(
             f"environment variable {name}={number} is not {what} ({bounds[0]}..{bounds[1]})"
+        )
+    return number
+
+
+def _get_seconds(default: float, name: str, *, positive: bool) -> float:
+    """The variable ``name`` as a finite number of seconds (> 0 if ``positive``, else ≥ 0),
+    ``default`` when unset; else a ValueError naming the variable."""
+    value = _get(name)
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(
+            f"environment variable {name}={value!r} is not a number of seconds; unset it or "
+            "give a number such as 30 or 0.5"
+        ) from None
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(
+            f"environment variable {name}={value!r} is not a "
+            + ("positive" if positive else "non-negative")
+            + " finite number of seconds"
         )
     return number
 
@@ -208,6 +236,33 @@ def supervisor_url() -> str | None:
     return _get("ADAPTRAIN_SUPERVISOR_URL")
 
 
+def job_token() -> str | None:
+    """The job's secret for the supervisor (``ADAPTRAIN_JOB_TOKEN``), or None.
+
+    Sent as ``Authorization: Bearer <token>`` with every request to the supervisor.
+    """
+    return _get("ADAPTRAIN_JOB_TOKEN")
+
+
+def hints_interval() -> float:
+    """Seconds between two posts of scheduling hints (``ADAPTRAIN_HINTS_INTERVAL``), default 30.
+
+    Raises:
+        ValueError: a value that is not a positive finite number, naming the variable.
+    """
+    return _get_seconds(30.0, "ADAPTRAIN_HINTS_INTERVAL", positive=True)
+
+
+def checkpoint_interval() -> float:
+    """Seconds of training between two periodic checkpoints (``ADAPTRAIN_CHECKPOINT_INTERVAL``);
+    0 (the default, and the variable's value 0) turns periodic checkpoints off.
+
+    Raises:
+        ValueError: a value that is not a non-negative finite number, naming the variable.
+    """
+    return _get_seconds(0.0, "ADAPTRAIN_CHECKPOINT_INTERVAL", positive=False)
+
+
 def adaptrain_sched_version() -> str | None:
     """Version of the scheduler that started the job (``ADAPTRAIN_SCHED_VERSION``), or None."""
     return _get("ADAPTRAIN_SCHED_VERSION")
@@ -221,3 +276,13 @@ def adaptdl_sched_version() -> str | None:
 def from_ray() -> bool:
     """True when the job runs under the Ray backend (``ADAPTRAIN_RAY`` set to a true value)."""
     return (_get("ADAPTRAIN_RAY") or "").lower() in ("1", "true", "yes")
+
+
+def server_url() -> str | None:
+    """URL of the scheduler service the CLI talks to (``ADAPTRAIN_SERVER``), or None."""
+    return _get("ADAPTRAIN_SERVER")
+
+
+def server_token() -> str | None:
+    """The service's token for the CLI (``ADAPTRAIN_TOKEN``), or None."""
+    return _get("ADAPTRAIN_TOKEN")

@@ -17,6 +17,14 @@ from collections.abc import Sequence
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("demo", "adaptrain.cli.demo", "train the character LM on 2 local replicas, autoscaled"),
     ("simulate", "adaptrain.cli.simulate", "replay a cluster workload trace under a policy"),
+    ("server", "adaptrain.cli.server", "run the scheduler service for many elastic jobs"),
+    ("submit", "adaptrain.cli.submit", "submit a job to the server; prints its name"),
+    ("ls", "adaptrain.cli.ls", "list the server's jobs"),
+    ("describe", "adaptrain.cli.describe", "a job's spec, allocation and events"),
+    ("logs", "adaptrain.cli.logs", "a job's output across restarts"),
+    ("cp", "adaptrain.cli.cp", "copy a file out of a job's share folder"),
+    ("delete", "adaptrain.cli.delete", "cancel a job"),
+    ("tensorboard", "adaptrain.cli.tensorboard", "TensorBoard over every job's logs"),
 ]
 
 

@@ -1,0 +1,74 @@
+"""``adaptrain server``: run the scheduler service in the foreground until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._client import DEFAULT_PORT, read_token_file
+
+NAME = "server"
+HELP = "run the scheduler service: many elastic jobs on this machine's GPUs or CPU slots"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (loopback unless a token is given)"
+    )
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: any free port)")
+    parser.add_argument("--state-dir", default="adaptrain-state", help="jobs, logs, checkpoints")
+    parser.add_argument("--slots", type=int, help="CPU slots (default: the GPUs, else the cores)")
+    parser.add_argument("--nodes", type=int, help="emulate this many nodes on this machine")
+    parser.add_argument("--slots-per-node", type=int, help="slots of each emulated node")
+    parser.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
+    parser.add_argument("--policy", choices=("waterfill", "pollux"), default="waterfill")
+    parser.add_argument("--token-file", help="a file holding the token every client must give")
+    parser.add_argument("--max-restarts", type=int, default=3, help="default restart budget")
+    parser.add_argument(
+        "--rescale-rounds", type=int, default=1, help="rounds a moved job keeps its allocation"
+    )
+    parser.add_argument("--grace", type=float, default=60.0, help="seconds to checkpoint on stop")
+    parser.add_argument(
+        "--checkpoint-interval", type=float, default=600.0, help="periodic checkpoints, s (0: off)"
+    )
+    parser.add_argument("--hints-interval", type=float, default=30.0, help="hint posts, s")
+    parser.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=600.0,
+        help="replicas stop this long after the server dies",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from adaptrain.service.config import ServerConfig
+    from adaptrain.service.local import make_nodes
+    from adaptrain.service.server import Server
+
+    try:
+        token = read_token_file(args.token_file) if args.token_file else None
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            state_dir=args.state_dir,
+            interval=args.interval,
+            policy=args.policy,
+            token=token,
+            max_restarts=args.max_restarts,
+            rescale_rounds=args.rescale_rounds,
+            grace=args.grace,
+            checkpoint_interval=args.checkpoint_interval,
+            hints_interval=args.hints_interval,
+            orphan_timeout=args.orphan_timeout,
+        )
+        nodes = make_nodes(args.slots, args.nodes, args.slots_per_node)
+        server = Server(config, nodes)
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"adaptrain server: {exc}", file=sys.stderr)
+        return 2
+    slots = ", ".join(f"{n.name}: {len(n.slots)}" for n in nodes)
+    print(
+        f"adaptrain server: {config.policy} policy every {config.interval:g} s on {slots}",
+        flush=True,
+    )
+    return server.run_until_signalled()
