@@ -37,6 +37,15 @@ and hang the job. States that keep the default no-op ``sync`` may differ between
 One directory per job: checkpoints carry no job identity, so a job restores the newest
 ``checkpoint-*`` in its directory whoever wrote it, and each save deletes the older ones.
 
+Periodic checkpoints (``save_all_states(background=True)``, taken every
+``ADAPTRAIN_CHECKPOINT_INTERVAL`` seconds by :mod:`adaptrain.dist.signals`): the replicas sync
+as above, then rank 0 serialises every State into memory (the only cost the step pays beyond the
+syncs) and a daemon thread writes, fsyncs and publishes the checkpoint exactly as above
+(temporary folder, manifest last, atomic rename), so a ``kill -9`` at any moment leaves the
+previous checkpoint whole. The checkpoint this process restored from is kept (States created
+later still load from it); older ones go. Any later save, and :func:`reset`, first waits for a
+write still running, so checkpoint numbers never collide.
+
 Speed (rescale latency): a State is serialised straight into its file through a writer that
 hashes what passes through (no in-memory copy, no second pass), the manifest is written once per
 checkpoint, and on restart the checksums are verified by a background thread started as soon as
@@ -56,6 +65,7 @@ import re
 import secrets
 import shutil
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -76,6 +86,7 @@ __all__ = [
     "reset",
     "save_all_states",
     "save_state",
+    "wait_for_background_save",
 ]
 
 logger = logging.getLogger(__name__)
@@ -90,6 +101,8 @@ _loaded_from: str | None = None  # checkpoint dir this process restores from (fi
 _loaded_from_chosen = False
 _verdicts: dict[str, Future] = {}  # file path -> Future of its SHA-256 (background verification)
 _CHUNK = 1 << 22
+_writer: threading.Thread | None = None  # rank 0's background write of a checkpoint, if any
+_last_write: dict[str, float] = {}  # the last background write: its number and timings
 
 
 class _HashingWriter(io.RawIOBase):
@@ -217,6 +230,7 @@ def reset() -> None:
     Used by tests and by in-process restarts; the files on disk are untouched.
     """
     global _loaded_from, _loaded_from_chosen
+    wait_for_background_save()
     for hook in list(_reset_hooks):
         hook()
     _registry.clear()
@@ -586,11 +600,17 @@ def _writer_alive(entry: str) -> bool:
     return True
 
 
-def save_all_states() -> bool:
+def save_all_states(*, background: bool = False) -> bool:
     """Checkpoint every registered State (collective: call on every replica at the same point).
 
     Returns False (and does nothing) when checkpointing is off, True once the new checkpoint is
     in place; every replica returns only after rank 0 has finished writing.
+
+    With ``background`` (periodic checkpoints): every replica syncs its States as usual, rank 0
+    serialises them into memory and a daemon thread writes and publishes the checkpoint; every
+    replica returns as soon as that is handed over (True; on rank 0 False when the checkpoint
+    could not be started: logged, the previous checkpoint is kept). A failed write is logged as
+    a warning by rank 0 and leaves the previous checkpoint in place; nobody raises for it.
 
     Raises:
         RuntimeError: on every replica, before any State is synced, when the replicas hold
@@ -607,13 +627,15 @@ def save_all_states() -> bool:
     error: Exception | None = None
     seq = tmp = None
     if rank0:
+        wait_for_background_save()  # its number is taken: the next one follows it
         try:
             root = checkpoint_root()
             dirs = _seq_dirs(root)
             seq = dirs[-1][0] + 1 if dirs else 0
             tmp = os.path.join(root, f".tmp-checkpoint-{seq:06d}-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
+            if not background:  # else the writer thread makes it
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
         except Exception as exc:  # noqa: BLE001 - every replica hears of it below
             error = exc
     if collective.is_distributed():
@@ -628,14 +650,31 @@ def save_all_states() -> bool:
                 shutil.rmtree(tmp, ignore_errors=True)
             _raise_mismatch(collective.allreduce([synced]))  # on every replica alike
     manifest: dict = {"format": _FORMAT, "states": {}}
+    blobs: list[tuple[str, io.BytesIO]] = []  # background: the States serialised in memory
+    started = time.perf_counter()
     for name in sorted(_registry):  # same order on every replica: sync() may be collective
         state = _registry[name]
         state.sync()
         if rank0 and error is None:
             try:
-                manifest["states"][name] = _write_state_file(state, tmp)[1]
+                if background:
+                    buf = io.BytesIO()
+                    state.save(buf)
+                    blobs.append((name, buf))
+                else:
+                    manifest["states"][name] = _write_state_file(state, tmp)[1]
             except Exception as exc:  # noqa: BLE001 - the other States still sync
                 error = exc
+    if background:
+        if not rank0:
+            return True
+        if error is not None:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            logger.warning("periodic checkpoint not started: %s: %s", type(error).__name__, error)
+            return False
+        _start_writer(root, tmp, seq, blobs, time.perf_counter() - started)
+        return True
     final = None
     if rank0 and error is None:
         try:
@@ -657,6 +696,72 @@ def save_all_states() -> bool:
     _loaded_from, _loaded_from_chosen = final, True
     _verdicts.clear()
     return True
+
+
+def wait_for_background_save() -> dict[str, float]:
+    """Wait for rank 0's background checkpoint write, if one is running; what the last one
+    took: ``{"seq", "serialise_s", "write_s", "ok"}`` (empty before the first, and on the
+    other ranks).
+
+    ``serialise_s``: the States' serialisation into memory, on the step that took the
+    checkpoint (its syncs included); ``write_s``: the write, fsyncs and rename in the
+    background; ``ok``: 1.0 if the checkpoint was published, else 0.0.
+    """
+    writer = _writer
+    if writer is not None:
+        writer.join()
+    return dict(_last_write)
+
+
+def _start_writer(
+    root: str, tmp: str, seq: int, blobs: list[tuple[str, io.BytesIO]], serialise_s: float
+) -> None:
+    """Rank 0: write ``blobs`` into ``tmp`` and publish it as ``checkpoint-<seq>`` on a daemon
+    thread (the checkpoint this process restored from is kept)."""
+    global _writer
+    keep = None if _loaded_from is None else os.path.basename(_loaded_from)
+
+    def write() -> None:
+        t0 = time.perf_counter()
+        ok = 0.0
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            manifest: dict = {"format": _FORMAT, "states": {}}
+            for name, buf in blobs:
+                manifest["states"][name] = _write_bytes_file(name, buf.getbuffer(), tmp)
+            blobs.clear()  # the memory goes before the rename's fsyncs
+            _publish(root, tmp, seq, manifest, keep=keep)
+            ok = 1.0
+        except Exception as exc:  # noqa: BLE001 - logged; the previous checkpoint stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            logger.warning(
+                "periodic checkpoint %d not written (%s: %s); the previous one is kept",
+                seq,
+                type(exc).__name__,
+                exc,
+            )
+        _last_write.update(
+            seq=float(seq), serialise_s=serialise_s, write_s=time.perf_counter() - t0, ok=ok
+        )
+
+    _writer = threading.Thread(target=write, name="adaptrain-checkpoint-write", daemon=True)
+    _writer.start()
+
+
+def _write_bytes_file(name: str, data: memoryview, checkpoint_dir: str) -> dict:
+    """Write the serialised State ``name`` into its (fsynced) file of ``checkpoint_dir``; its
+    manifest entry."""
+    fname = _file_name(name)
+    path = os.path.join(checkpoint_dir, fname)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        writer.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return {"file": fname, "sha256": writer.hexdigest(), "size": writer.size}
 
 
 def _synced_names() -> list[str]:
@@ -688,9 +793,10 @@ def _raise_mismatch(held: list[list[str]]) -> NoReturn:
     )
 
 
-def _publish(root: str, tmp: str, seq: int, manifest: dict) -> str:
-    """Rank 0: manifest last, rename ``tmp`` into place, then delete older checkpoints and
-    dead writers' debris. Returns the checkpoint's path."""
+def _publish(root: str, tmp: str, seq: int, manifest: dict, keep: str | None = None) -> str:
+    """Rank 0: manifest last, rename ``tmp`` into place, then delete older checkpoints (but
+    ``keep``, a checkpoint's folder name) and dead writers' debris. Returns the checkpoint's
+    path."""
     final = os.path.join(root, f"checkpoint-{seq:06d}")
     _write_manifest(tmp, manifest)  # last: a directory without it is never renamed
     _fsync_dir(tmp)
@@ -699,7 +805,8 @@ def _publish(root: str, tmp: str, seq: int, manifest: dict) -> str:
     logger.info("saved %d states to %s", len(manifest["states"]), final)
     try:  # the checkpoint is in place: a failed clean-up is no failed save
         for _, old in _seq_dirs(root)[:-1]:
-            shutil.rmtree(old, ignore_errors=True)
+            if os.path.basename(old) != keep:
+                shutil.rmtree(old, ignore_errors=True)
         for entry in os.listdir(root):
             if entry.startswith(".tmp-checkpoint-") and not _writer_alive(entry):
                 shutil.rmtree(os.path.join(root, entry), ignore_errors=True)

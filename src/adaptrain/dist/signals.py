@@ -26,6 +26,15 @@ Protocol (AdaptDL's, made explicit):
    therefore reports the interrupted run as failed, as it should: the job is not finished; rerun
    it with the same ``ADAPTRAIN_CHECKPOINT_PATH`` to resume).
 
+Periodic checkpoints ride on the same poll: every ``ADAPTRAIN_CHECKPOINT_INTERVAL`` seconds
+(:func:`set_checkpoint_interval`; off when 0 or without ``ADAPTRAIN_CHECKPOINT_PATH``) rank 0
+marks its next poll, and at the call that reads that poll's result every replica (the same step
+on all of them, as for a stop) saves every State with
+``checkpoint.save_all_states(background=True)``: the syncs and rank 0's serialisation into
+memory on that step, the write in the background. Rank 0's clock alone decides, so the
+replicas cannot disagree; its interval restarts after each periodic checkpoint. A crash (a
+``kill -9``, a lost node) then loses at most about one interval of training plus two polls.
+
 How the process leaves (:func:`set_exit_mode`, or ``graceful_exit(signum, mode=...)``):
 
 ``"fast"`` (default)
@@ -71,6 +80,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from adaptrain import env
 from adaptrain.dist import checkpoint, collective
 
 __all__ = [
@@ -86,6 +96,7 @@ __all__ = [
     "loader_workers_starting",
     "poll_stop",
     "reset",
+    "set_checkpoint_interval",
     "set_exit_mode",
     "shield_loader_worker",
     "uninstall",
@@ -108,6 +119,11 @@ _since = 0  # calls since the last poll
 _last_poll: float | None = None  # perf_counter() of the last poll
 _group: Any = None  # the gloo group of the stop polls, and the default group it was made for
 _group_of: Any = None
+
+# Periodic checkpoints: the interval in seconds (None: from the environment at the next poll; 0:
+# off) and rank 0's clock (perf_counter() of the start of training or of the last one).
+_ckpt_interval: float | None = None
+_ckpt_clock: float | None = None
 
 EXIT_MODES = ("fast", "full", "immediate")
 _exit_mode = "fast"
@@ -176,28 +192,31 @@ def poll_stop() -> int:
     allreduce (max over replicas) found and starts the next one unless a stop was agreed.
     Between polls (agreed step counts, see the module docstring) calls return 0 at once.
     """
-    global _pending, _skip, _since, _last_poll
+    global _pending, _skip, _since, _last_poll, _ckpt_clock
     _disarm()  # still training: a caught SystemExit must not end the process later
     _since += 1
     if _skip > 0:  # only ever set with a poll in flight
         _skip -= 1
         return 0
-    agreed, steps = 0, 1
+    agreed, steps, save = 0, 1, 0
     if _pending is not None:
         flag, work = _pending
         if work is not None:
             work.wait()
-        agreed, steps = int(flag[0]), max(-int(flag[1]), 1)
+        agreed, steps, save = int(flag[0]), max(-int(flag[1]), 1), int(flag[2])
     _pending = None
     now = time.perf_counter()
     if not agreed:
+        if save:  # the same step on every replica; a stop checkpoints anyway
+            _periodic_checkpoint()
+            _ckpt_clock = time.perf_counter()
         distributed = collective.is_distributed()
         proposal = 1
         if distributed and _last_poll is not None:
             per_step = (now - _last_poll) / max(_since, 1)
             proposal = int(POLL_PERIOD / per_step) if per_step > 0 else MAX_POLL_STEPS
             proposal = min(max(proposal, 1), MAX_POLL_STEPS)
-        flag = torch.tensor([_signum, -proposal], dtype=torch.int64)
+        flag = torch.tensor([_signum, -proposal, _checkpoint_due(now)], dtype=torch.int64)
         work = None
         if distributed:
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_stop_group(), async_op=True)
@@ -205,6 +224,49 @@ def poll_stop() -> int:
         _skip = steps - 1
     _since, _last_poll = 0, now
     return agreed
+
+
+def set_checkpoint_interval(seconds: float | None) -> float | None:
+    """Seconds of training between two periodic checkpoints (0: off; None: from
+    ``ADAPTRAIN_CHECKPOINT_INTERVAL`` at the next poll, the default); returns the old value.
+
+    Only rank 0's value counts (its clock decides for every replica). Periodic checkpoints
+    need ``ADAPTRAIN_CHECKPOINT_PATH`` as well.
+
+    Raises:
+        ValueError: a negative or non-finite number.
+    """
+    global _ckpt_interval
+    if seconds is not None and not 0 <= float(seconds) < float("inf"):
+        raise ValueError(f"checkpoint interval {seconds!r} must be a finite number of seconds ≥ 0")
+    previous, _ckpt_interval = _ckpt_interval, None if seconds is None else float(seconds)
+    return previous
+
+
+def _checkpoint_due(now: float) -> int:
+    """1 when rank 0's periodic-checkpoint interval has passed (its clock starts at the first
+    poll), else 0; other ranks never propose one."""
+    global _ckpt_interval, _ckpt_clock
+    if _ckpt_interval is None:
+        _ckpt_interval = env.checkpoint_interval() if env.checkpoint_path() is not None else 0.0
+    if _ckpt_interval <= 0:
+        return 0
+    if _ckpt_clock is None:
+        _ckpt_clock = now
+        return 0
+    if now - _ckpt_clock < _ckpt_interval:
+        return 0
+    return int(not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0)
+
+
+def _periodic_checkpoint() -> None:
+    """Every replica at the same step: save every State, written in the background."""
+    t0 = time.perf_counter()
+    if checkpoint.save_all_states(background=True):
+        logger.debug(
+            "periodic checkpoint started in %.1f ms (written in the background)",
+            1e3 * (time.perf_counter() - t0),
+        )
 
 
 _SIGWAITINFO = hasattr(signal, "sigwaitinfo")  # Linux and most Unixes; not macOS, Windows
@@ -457,6 +519,7 @@ def uninstall() -> None:
 def reset() -> None:
     """Forget a received signal and any pending poll, and uninstall (tests, in-process restarts)."""
     global _signum, _pending, _group, _group_of, _skip, _since, _last_poll
+    global _ckpt_interval, _ckpt_clock
     if _pending is not None and _pending[1] is not None:
         try:
             _pending[1].wait()
@@ -466,6 +529,7 @@ def reset() -> None:
     _pending = None
     _skip = _since = 0
     _last_poll = None
+    _ckpt_interval = _ckpt_clock = None
     _group = _group_of = None
     _disarm()
     uninstall()

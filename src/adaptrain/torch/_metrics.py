@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 import adaptrain.checkpoint as _checkpoint
 from adaptrain import env
+from adaptrain.core import gns as _gns
 from adaptrain.core.goodput import GoodputFunction, PerfParams, fit_perf_params
 from adaptrain.dist.checkpoint import register_reset_hook
 
@@ -71,6 +72,7 @@ __all__ = [
     "suggest_batch_size",
     "prefetch_fit_solver",
     "wait_for_solver_prefetch",
+    "sched_hints",
 ]
 
 logger = logging.getLogger(__name__)
@@ -630,3 +632,95 @@ def _configuration(
         if atomic >= max(min_atomic, 1) and (best is None or atomic * accum > best[0] * best[1]):
             best = (atomic, accum)
     return best
+
+
+def _finite(x: Any) -> float | None:
+    """``x`` as a float, or None when it is not a finite number."""
+    try:
+        value = float(x)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+def sched_hints(
+    atomic_bsz: int | None = None, accum_steps: int | None = None
+) -> dict[str, Any] | None:
+    """The scheduling hints of this replica's metrics (AdaptDL's fields, in its names), or None
+    before the training loader has set its batch size.
+
+    ``initBatchSize``, ``maxBatchSize``, ``localBszBounds``, ``maxProfiledReplicas``,
+    ``gradientAccumulation``, ``gradParams`` (``{"norm": |G|², "var"}``, clipped at 0),
+    ``perfParams`` (the last fit; none is done here), ``profile`` (per configuration: the mean
+    optimizer-step and sync times and the step count) and, given the current micro-batch
+    ``atomic_bsz`` and ``accum_steps``, ``batchSize``, ``atomicBsz``, ``accumSteps``, ``gain``,
+    ``goodput`` and ``throughput`` (the last two when the model is fitted). Every number is
+    finite; what is not is None.
+    """
+    s = _state()
+    if s.init_batch_size is None:
+        return None
+    init = int(s.init_batch_size)
+    max_bsz = s.max_batch_size
+    bounds = None
+    if s.local_bsz_bounds is not None:
+        lo, hi = s.local_bsz_bounds
+        lo = int(lo or 1)
+        hi = hi if hi is not None else max_bsz
+        bounds = None if hi is None else [lo, max(int(hi), lo)]
+    grad = None
+    if s.grad_params is not None:
+        sqr, var = (_finite(v) for v in s.grad_params)
+        if sqr is not None and var is not None:
+            grad = {"norm": max(sqr, 0.0), "var": max(var, 0.0)}
+    perf = None
+    if s.perf_params is not None:
+        values = [_finite(v) for v in s.perf_params]
+        if all(v is not None for v in values):
+            perf = dict(zip(PerfParams._fields, values))
+    profile = []
+    for (nodes, replicas, bsz), rec in sorted(s.profile.items()):
+        count = int(rec["optim_count"])
+        step = _finite(rec["optim_step_time"] / count) if count else None
+        if step is None or step <= 0:
+            continue
+        sync = _finite(rec["optim_sync_time"] / max(rec["optim_sync_count"], 1)) or 0.0
+        profile.append(
+            {
+                "numNodes": int(nodes),
+                "numReplicas": int(replicas),
+                "atomicBsz": int(bsz),
+                "stepTime": step,
+                "syncTime": min(max(sync, 0.0), step),
+                "count": count,
+            }
+        )
+    hints: dict[str, Any] = {
+        "initBatchSize": init,
+        "maxBatchSize": None if max_bsz is None else int(max_bsz),
+        "localBszBounds": bounds,
+        "maxProfiledReplicas": max((k[1] for k in s.profile), default=0),
+        "gradientAccumulation": bool(s.gradient_accumulation),
+        "gradParams": grad,
+        "perfParams": perf,
+        "profile": profile,
+        "batchSize": None,
+        "atomicBsz": None,
+        "accumSteps": None,
+        "gain": None,
+        "goodput": None,
+        "throughput": None,
+    }
+    if atomic_bsz and accum_steps:
+        replicas, nodes = _num_replicas(), _num_nodes()
+        batch = int(atomic_bsz) * int(accum_steps) * replicas
+        hints.update(batchSize=batch, atomicBsz=int(atomic_bsz), accumSteps=int(accum_steps))
+        if grad is not None:
+            hints["gain"] = _finite(_gns.gain(grad["norm"], grad["var"], batch / init))
+        if perf is not None and grad is not None:
+            fn = GoodputFunction(s.perf_params, s.grad_params, init)
+            args = (nodes, replicas, int(atomic_bsz), int(accum_steps) - 1)
+            hints["throughput"] = _finite(fn.throughput(*args))
+            if batch >= init:
+                hints["goodput"] = _finite(fn.evaluate(*args))
+    return hints

@@ -90,6 +90,7 @@ def _shutdown() -> None:
     failure; destroying it here avoids that.
     """
     try:
+        checkpoint.wait_for_background_save()  # a periodic checkpoint being written
         signals.reset()
         collective.teardown()
         if dist.is_available() and dist.is_initialized():

@@ -32,7 +32,9 @@ never cut.
 Stopping: at every optimizer-step boundary all replicas call
 :func:`adaptrain.dist.signals.poll_stop` (its all-reduce runs every step, or every few steps when
 steps are faster than ``signals.POLL_PERIOD``); on an agreed SIGINT/SIGTERM the loader
-checkpoints every State and exits (code 143/130).
+checkpoints every State and exits (code 143/130). The same poll takes the periodic checkpoints
+(``ADAPTRAIN_CHECKPOINT_INTERVAL``), and with a supervisor rank 0's training loader hands the
+scheduling hints to their sending thread there (:mod:`adaptrain.torch._hints`).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from adaptrain import env
 from adaptrain.dist import checkpoint, collective, signals
-from adaptrain.torch import _metrics
+from adaptrain.torch import _hints, _metrics
 from adaptrain.torch.epoch import current_epoch
 
 __all__ = [
@@ -574,7 +576,7 @@ class AdaptiveDataLoaderHelper:
         else:
             # First decision, or a restart on another replica count: keep the global batch.
             s.local_bsz, s.accum_steps = self._current_decision()
-            decision = (s.local_bsz, s.accum_steps)
+            before = decision = (s.local_bsz, s.accum_steps)
             if _world()[1] == 0:
                 nodes = min(max(env.num_nodes(), 1), num_replicas)
                 suggestion = _metrics.suggest_batch_size(
@@ -583,6 +585,8 @@ class AdaptiveDataLoaderHelper:
                 if suggestion is not None:
                     decision = (int(suggestion[0]), int(suggestion[1]))
             s.local_bsz, s.accum_steps = collective.broadcast(decision)
+            if (s.local_bsz, s.accum_steps) != before:
+                _hints.post_soon()  # the scheduler hears of a new batch size at once
         s.num_replicas = num_replicas
         self._decided = (s.local_bsz, s.accum_steps, s.num_replicas)
         return s.local_bsz, s.accum_steps
@@ -632,6 +636,7 @@ class AdaptiveDataLoaderHelper:
             )
         AdaptiveDataLoaderHelper._current = self
         signals.install()
+        _hints.configure()
         self._skipped = False
         try:
             yield
@@ -675,6 +680,8 @@ class AdaptiveDataLoaderHelper:
             signum = signals.poll_stop()
             if signum:
                 signals.graceful_exit(signum)
+            if _hints.active and self.training:  # rank 0 with a supervisor
+                _hints.tick(self)
         training = self.training
         if training:
             _metrics.profile_step_start(self._mb_local or self.current_local_bsz)
