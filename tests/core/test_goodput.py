@@ -209,18 +209,20 @@ def _reference_optimize(fn, nodes, replicas, max_batch, lo, hi, accumulation):
     candidates whose rounded-up total passes max_batch (unless the smallest one does)."""
     init = fn.init_batch_size
     min_batch = max(init, lo * replicas)
+    # a single replica's smallest local batch: the initial batch, or the micro-batch floor
+    single = max(math.ceil(init), lo)
     best = (-1.0, None, None)
     limit = None
     for batch in np.geomspace(min_batch, max_batch, G.NUM_CANDIDATES):
         local = batch / replicas
         if accumulation:
             steps = math.ceil(local / hi - 1e-8) - 1
-            if replicas == 1 and local > init + 1e-8:
+            if replicas == 1 and local > single + 1e-8:
                 steps = max(steps, 1)
             bsz = math.ceil(local / (steps + 1) - 1e-8)
         else:
             steps = 0
-            bsz = init if replicas == 1 else math.ceil(local - 1e-8)
+            bsz = single if replicas == 1 else math.ceil(local - 1e-8)
         total = replicas * bsz * (steps + 1)
         limit = max(max_batch, total) if limit is None else limit
         ok = lo <= bsz <= hi and total <= limit
