@@ -8,12 +8,41 @@ starts a real ``adaptrain server`` (its default waterfill policy, emulated nodes
 waits for ``--rounds`` policy rounds with every job known, and reports the policy round's time
 (median and largest, from ``/metrics``) and the latency of ``GET /jobs`` (what ``adaptrain ls
 --json`` reads), median and p99 over ``--ls`` calls; goals: a round <= 1 s, ls p99 <= 50 ms.
+
+    python benchmarks/bench_service.py startup [--repeat 5]
+
+submit -> first training step of a digits job (AdaptDL's digits tutorial: the CNN, Adadelta,
+autoscale_batch_size; one replica, ``--max-replicas 1``) on a real server with free slots: from
+the ``POST /jobs`` call to the end of the job's first optimizer step, which the job stamps in
+its share folder with the times of its own start-up phases. Median over ``--repeat`` jobs run
+one after the other, and where the time goes: the server's handling up to the launch (the
+``Started`` event), the launcher's and the job's interpreter starts (the job's process creation
+time, then its first line), ``import torch`` and ``adaptrain.torch``, the process group, and
+the first step (data set, model, the step). Goal <= 3 s on CPU.
+
+    python benchmarks/bench_service.py rescale [--repeat 3]
+
+SIGTERM -> first step on the new replica count, for a 10M-parameter MLP (random data from a
+fixed seed, SGD, autoscale_batch_size) under the service. Method: a server of 2 slots, policy
+rounds every 2 s; the MLP job (``--max-replicas 2``) starts on both slots; once it has trained
+and posted hints, a second job (a ``sleep``, never run so the policy values it first) is
+submitted and the next round shrinks the MLP to 1 replica to admit it (2 -> 1); once that
+restart has stepped, the second job is deleted and a later round grows the MLP back onto the
+free slot (1 -> 2; ``--restart-delay 1`` so that the growth pays within the payback the policy
+asks). Each rescale is timed from its ``Stopping`` event (the controller sends SIGTERM to the
+replicas just before it records it) to the end of the first optimizer step of the new restart
+group, which the job stamps; with the split: the old replicas' checkpoint and exit (their
+status files' times), the relaunch (the ``Started`` event), the interpreter and imports, the
+process group, and the restore + first step. Median over every rescale of ``--repeat`` rounds
+of this, and per direction. Goal <= 5 s.
+
 Everything it started is stopped at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
@@ -50,6 +79,295 @@ def start_server(state: str, args: list[str]) -> tuple[subprocess.Popen, str]:
             raise RuntimeError(open(state + ".log").read())
         time.sleep(0.1)
     raise RuntimeError("the server did not start")
+
+
+#: The startup benchmark's job: the digits tutorial, timing its phases (``--steps`` steps).
+STARTUP_JOB = r"""
+import time
+T0 = time.time()
+import json, os, sys
+with open("/proc/self/stat") as f:  # when this process started (clock ticks since boot)
+    ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+CREATED = T0 - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+import torch
+T_TORCH = time.time()
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import StepLR
+import adaptrain.torch as adl
+T_LIB = time.time()
+from adaptrain.workloads import DigitsNet, digits_datasets
+
+torch.set_num_threads(1)
+torch.manual_seed(1)
+adl.init_process_group("gloo")
+T_PG = time.time()
+train_set, _ = digits_datasets()
+T_DATA = time.time()
+loader = adl.AdaptiveDataLoader(train_set, batch_size=64, shuffle=True)
+loader.autoscale_batch_size(512, local_bsz_bounds=(32, 128))
+model = DigitsNet()
+optimizer = torch.optim.Adadelta(model.parameters(), lr=1.0)
+T_OPT = time.time()
+model = adl.AdaptiveDataParallel(model, optimizer, StepLR(optimizer, step_size=1, gamma=0.7))
+T_MODEL = time.time()
+steps = int(sys.argv[1])
+for epoch in adl.remaining_epochs_until(1):
+    for i, (x, y) in enumerate(loader):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if i == 0:
+            with open(os.path.join(os.environ["ADAPTRAIN_SHARE_PATH"], "first-step.json"), "w") as f:
+                json.dump({"created": CREATED, "start": T0, "torch": T_TORCH, "lib": T_LIB, "pg": T_PG,
+                           "data": T_DATA, "opt": T_OPT, "model": T_MODEL, "step": time.time()}, f)
+        if i + 1 >= steps:
+            break
+"""
+
+#: The rescale benchmark's job: a 10M-parameter MLP on random data, stamping the first step of
+#: every restart group (``first-step-gG.json``) until it is deleted.
+RESCALE_JOB = r"""
+import time
+T0 = time.time()
+import json, os
+with open("/proc/self/stat") as f:  # when this process started (clock ticks since boot)
+    ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+CREATED = T0 - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+import torch
+T_TORCH = time.time()
+import torch.nn.functional as F
+import adaptrain.torch as adl
+T_LIB = time.time()
+
+torch.set_num_threads(1)
+adl.init_process_group("gloo")
+T_PG = time.time()
+group = os.environ["ADAPTRAIN_NUM_RESTARTS"]
+rank = torch.distributed.get_rank()
+g = torch.Generator().manual_seed(0)
+data = torch.utils.data.TensorDataset(torch.randn(8192, 1024, generator=g),
+                                      torch.randint(0, 10, (8192,), generator=g))
+torch.manual_seed(0)
+T_DATA = time.time()
+net = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.ReLU(),
+                          torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+                          torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+                          torch.nn.Linear(2048, 10))
+params = sum(p.numel() for p in net.parameters())
+optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+T_OPT = time.time()
+model = adl.AdaptiveDataParallel(net, optimizer)
+loader = adl.AdaptiveDataLoader(data, batch_size=64, shuffle=True)
+loader.autoscale_batch_size(512, local_bsz_bounds=(32, 256))
+T_MODEL = time.time()
+first = True
+for epoch in adl.remaining_epochs_until(10_000):
+    for x, y in loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if first and rank == 0:
+            first = False
+            path = os.path.join(os.environ["ADAPTRAIN_SHARE_PATH"], f"first-step-g{group}.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump({"created": CREATED, "start": T0, "torch": T_TORCH, "lib": T_LIB, "pg": T_PG,
+                           "data": T_DATA, "opt": T_OPT, "model": T_MODEL, "step": time.time(),
+                           "params": params,
+                           "replicas": torch.distributed.get_world_size()}, f)
+            os.replace(path + ".tmp", path)
+"""
+
+
+def _wait(predicate, timeout: float, what: str, step: float = 0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _event(detail: dict, kind: str, after: float = 0.0, contains: str = "") -> float | None:
+    for e in detail["events"]:
+        if e["kind"] == kind and e["time"] >= after and contains in e["message"]:
+            return e["time"]
+    return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _median_row(label: str, values: list[float]) -> str:
+    return f"  {label:<52} {statistics.median(values):6.2f} s   ({', '.join(f'{v:.2f}' for v in values)})"
+
+
+def startup(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "digits_job.py")
+        with open(script, "w") as f:
+            f.write(STARTUP_JOB)
+        state = os.path.join(tmp, "state")
+        proc, url = start_server(state, ["--slots", "2", "--interval", "5", "--grace", "10"])
+        rows: dict[str, list[float]] = {}
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                for i in range(args.repeat):
+                    name = f"digits-{i}"
+                    spec = {"name": name, "command": [sys.executable, script, str(args.steps)],
+                            "max_replicas": 1}  # fmt: skip
+                    t_submit = time.time()
+                    http.post("/jobs", json=spec).raise_for_status()
+                    share = os.path.join(state, "jobs", name, "share")
+                    path = os.path.join(share, "first-step.json")
+                    stamp = _wait(lambda p=path: _read_json(p), 120, f"{name}'s first step", 0.01)
+                    detail = _wait(lambda n=name: _ended(http, n), 120, f"{name}'s end")
+                    if detail["status"] != "Succeeded":
+                        raise RuntimeError(f"{name} failed: {detail}")
+                    started = _event(detail, "Started")
+                    phases = {
+                        "submit -> first step (total)": stamp["step"] - t_submit,
+                        "  submit -> launched (Started event)": started - t_submit,
+                        "  launcher start (-> job process created)": stamp["created"] - started,
+                        "  job interpreter start": stamp["start"] - stamp["created"],
+                        "  import torch": stamp["torch"] - stamp["start"],
+                        "  import adaptrain.torch": stamp["lib"] - stamp["torch"],
+                        "  init_process_group": stamp["pg"] - stamp["lib"],
+                        "  digits data set": stamp["data"] - stamp["pg"],
+                        "  model + optimizer (torch imports torch._dynamo)": stamp["opt"]
+                        - stamp["data"],
+                        "  AdaptiveDataParallel": stamp["model"] - stamp["opt"],
+                        "  first step": stamp["step"] - stamp["model"],
+                    }
+                    for k, v in phases.items():
+                        rows.setdefault(k, []).append(v)
+        finally:
+            _stop(proc)
+    print(f"startup: submit -> first step of the digits job, {args.repeat} jobs, 1 replica each, "
+          f"{os.cpu_count()} CPU cores (goal <= 3 s)")  # fmt: skip
+    for k, v in rows.items():
+        print(_median_row(k, v))
+
+
+def _ended(http: httpx.Client, name: str) -> dict | None:
+    detail = http.get(f"/jobs/{name}").json()
+    return detail if detail["status"] in ("Succeeded", "Failed", "Cancelled") else None
+
+
+def _hint(detail: dict, key: str):
+    return (detail.get("hints") or {}).get(key)
+
+
+def _profiled(detail: dict, replicas: int) -> bool:
+    """Whether the job's hints hold a step time measured on ``replicas`` replicas."""
+    return any(p["numReplicas"] == replicas for p in _hint(detail, "profile") or ())
+
+
+def _status_time(state: str, name: str, group: int, rank: int) -> float:
+    stamp = _read_json(os.path.join(state, "runs", name, f"g{group}-r{rank}.status"))
+    return float("nan") if stamp is None else float(stamp["time"])
+
+
+def rescale(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "mlp_job.py")
+        with open(script, "w") as f:
+            f.write(RESCALE_JOB)
+        state = os.path.join(tmp, "state")
+        proc, url = start_server(
+            state,
+            ["--slots", "2", "--interval", "2", "--restart-delay", "1", "--hints-interval", "1",
+             "--rescale-rounds", "1", "--checkpoint-interval", "0", "--grace", "60"],
+        )  # fmt: skip
+        rows: dict[str, dict[str, list[float]]] = {}
+        params = 0
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:
+
+                def detail(name: str) -> dict:
+                    return http.get(f"/jobs/{name}").json()
+
+                def measure(name: str, group: int, after: float) -> None:
+                    """The rescale that started restart group ``group``: wait for its first
+                    step, then split SIGTERM -> first step."""
+                    share = os.path.join(state, "jobs", name, "share")
+                    stamp = _wait(
+                        lambda: _read_json(os.path.join(share, f"first-step-g{group}.json")),
+                        180,
+                        f"{name}'s first step in group {group}",
+                    )
+                    d = detail(name)
+                    stopping = _event(d, "Stopping", after, "rescale")
+                    started = _event(d, "Started", after, f"group {group}:")
+                    old = [e for e in d["events"] if e["kind"] == "Started"][group - 1]
+                    old_n = int(re.search(r": (\d+) on", old["message"]).group(1))
+                    exited = max(_status_time(state, name, group - 1, r) for r in range(old_n))
+                    key = f"{old_n} -> {stamp['replicas']}"
+                    phases = {
+                        "SIGTERM -> first step on the new count (total)": stamp["step"] - stopping,
+                        "  checkpoint + exit of the old replicas": exited - stopping,
+                        "  -> relaunch (Started event)": started - exited,
+                        "  launcher start (-> job process created)": stamp["created"] - started,
+                        "  job interpreter start": stamp["start"] - stamp["created"],
+                        "  import torch + adaptrain.torch": stamp["lib"] - stamp["start"],
+                        "  init_process_group": stamp["pg"] - stamp["lib"],
+                        "  data + model + optimizer (torch._dynamo import)": stamp["opt"]
+                        - stamp["pg"],
+                        "  AdaptiveDataParallel (checkpoint restore)": stamp["model"]
+                        - stamp["opt"],
+                        "  first step": stamp["step"] - stamp["model"],
+                    }
+                    for k, v in phases.items():
+                        rows.setdefault(key, {}).setdefault(k, []).append(v)
+                        rows.setdefault("all", {}).setdefault(k, []).append(v)
+                    print(f"  {name} {key}: {phases[next(iter(phases))]:.2f} s", flush=True)
+
+                for i in range(args.repeat):
+                    name, other = f"mlp-{i}", f"other-{i}"
+                    spec = {"name": name, "command": [sys.executable, script], "max_replicas": 2}
+                    http.post("/jobs", json=spec).raise_for_status()
+                    share = os.path.join(state, "jobs", name, "share")
+                    path = os.path.join(share, "first-step-g0.json")
+                    stamp = _wait(lambda p=path: _read_json(p), 180, f"{name}'s first step")
+                    params = stamp["params"]
+                    if stamp["replicas"] != 2:
+                        raise RuntimeError(f"{name} started on {stamp['replicas']} replicas, not 2")
+                    _wait(lambda n=name: _hint(detail(n), "perfParams"), 120, f"{name}'s hints")
+                    t = time.time()
+                    spec = {"name": other, "command": ["sleep", "3600"], "max_replicas": 1}
+                    http.post("/jobs", json=spec).raise_for_status()
+                    measure(name, 1, t)  # 2 -> 1 to admit the other job
+                    _wait(lambda n=name: _profiled(detail(n), 1), 60, f"{name}'s hints on 1", 0.2)
+                    t = time.time()
+                    http.delete(f"/jobs/{other}").raise_for_status()
+                    try:
+                        measure(name, 2, t)  # 1 -> 2 on the freed slot
+                    except RuntimeError as exc:
+                        print(f"  {name}: no growth back to 2 ({exc})", flush=True)
+                    http.delete(f"/jobs/{name}").raise_for_status()
+                    _wait(lambda n=name: _ended(http, n), 120, f"{name}'s end")
+        finally:
+            _stop(proc)
+    print(f"rescale: {params / 1e6:.1f}M-parameter MLP under the service, 2 slots, "
+          f"{os.cpu_count()} CPU cores (goal <= 5 s); median (each value)")  # fmt: skip
+    for key, phases in rows.items():
+        n = len(next(iter(phases.values())))
+        print(f"{key if key != 'all' else 'every rescale'} ({n}):")
+        for k, v in phases.items():
+            print(_median_row(k, v))
 
 
 def control(args: argparse.Namespace) -> None:
@@ -113,9 +431,13 @@ def main() -> None:
     c.add_argument("--interval", type=float, default=5.0)
     c.add_argument("--rounds", type=int, default=5)
     c.add_argument("--ls", type=int, default=200)
+    s = sub.add_parser("startup", help="submit -> first step of the digits job")
+    s.add_argument("--repeat", type=int, default=5)
+    s.add_argument("--steps", type=int, default=3, help="steps each job trains")
+    r = sub.add_parser("rescale", help="SIGTERM -> first step on the new count, 10M MLP")
+    r.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    if args.what == "control":
-        control(args)
+    {"control": control, "startup": startup, "rescale": rescale}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -195,3 +196,33 @@ def test_missing_state_file_is_reported(ckpt_root: Path) -> None:
     checkpoint.reset()
     with pytest.raises(RuntimeError, match="cannot read .*state-t"):
         checkpoint.load_state(Tensorish("t"))
+
+
+def test_a_sigterm_while_a_finished_run_exits_leaves_exit_status_0(tmp_path):
+    """A scheduler's SIGTERM that lands in the exit of a run that did all its work (after
+    adaptrain's own atexit clean-up) must not kill it with 143: a scheduler would take that for
+    a stop and resume the run from its last periodic checkpoint, training again on what came
+    after it."""
+    script = tmp_path / "s.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import atexit, os, signal, time
+            def late():  # registered first, so it runs after adaptrain's clean-up
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)
+                print("after", flush=True)
+            atexit.register(late)
+            import adaptrain.torch as adl
+            adl.init_process_group("gloo")
+            print("done", flush=True)
+            """
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ADAPTRAIN_")}
+    env.update(ADAPTRAIN_NUM_REPLICAS="1")
+    p = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["done", "after"]

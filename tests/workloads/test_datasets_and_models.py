@@ -226,3 +226,13 @@ def test_seeded_models_deterministic_and_leave_global_rng(make):
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_digits_read_without_sklearn_equal_load_digits():
+    from sklearn.datasets import load_digits
+
+    from adaptrain.workloads.digits import _load_digits
+
+    images, labels = _load_digits()
+    ref = load_digits()
+    assert np.array_equal(images, ref.images) and np.array_equal(labels, ref.target)

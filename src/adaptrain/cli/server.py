@@ -29,6 +29,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grace", type=float, default=60.0, help="seconds to checkpoint on stop")
     parser.add_argument(
+        "--restart-delay",
+        type=float,
+        default=30.0,
+        help="seconds a job loses per rescale, as the policy prices it",
+    )
+    parser.add_argument(
         "--checkpoint-interval", type=float, default=600.0, help="periodic checkpoints, s (0: off)"
     )
     parser.add_argument("--hints-interval", type=float, default=30.0, help="hint posts, s")
@@ -57,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             max_restarts=args.max_restarts,
             rescale_rounds=args.rescale_rounds,
             grace=args.grace,
+            restart_delay=args.restart_delay,
             checkpoint_interval=args.checkpoint_interval,
             hints_interval=args.hints_interval,
             orphan_timeout=args.orphan_timeout,

@@ -516,8 +516,13 @@ def uninstall() -> None:
         _previous.clear()
 
 
-def reset() -> None:
-    """Forget a received signal and any pending poll, and uninstall (tests, in-process restarts)."""
+def reset(keep_handlers: bool = False) -> None:
+    """Forget a received signal and any pending poll, and uninstall (tests, in-process restarts).
+
+    With ``keep_handlers`` the handlers stay (what the exit of a finished run wants: a SIGTERM
+    that comes while the process tears down is recorded, not fatal, so a run that did all its
+    work still exits 0 instead of 143, which a scheduler would take for a stop to resume from
+    the last checkpoint, repeating what followed it)."""
     global _signum, _pending, _group, _group_of, _skip, _since, _last_poll
     global _ckpt_interval, _ckpt_clock
     if _pending is not None and _pending[1] is not None:
@@ -532,7 +537,8 @@ def reset() -> None:
     _ckpt_interval = _ckpt_clock = None
     _group = _group_of = None
     _disarm()
-    uninstall()
+    if not keep_handlers:
+        uninstall()
 
 
 checkpoint.register_reset_hook(reset)

@@ -23,8 +23,11 @@ def is_loopback(host: str) -> bool:
 class ServerConfig:
     """``interval``: seconds between policy rounds; ``rescale_rounds``: a job moved in a round
     keeps its allocation for that many rounds; ``grace``: seconds a stopping replica gets to
-    checkpoint before SIGKILL; ``checkpoint_interval`` / ``hints_interval``: seconds, passed to
-    the replicas; ``orphan_timeout``: a replica whose server is gone that long stops;
+    checkpoint before SIGKILL; ``restart_delay``: the seconds of training a job is taken to lose
+    each time it is moved (stop, checkpoint, restart), which the policy weighs against what a
+    rescale gains (a growth must repay it within a few rounds, so with a short ``interval`` a
+    long delay rules growth out); ``checkpoint_interval`` / ``hints_interval``: seconds, passed
+    to the replicas; ``orphan_timeout``: a replica whose server is gone that long stops;
     ``max_body``: the largest request accepted, bytes."""
 
     host: str = "127.0.0.1"
@@ -35,6 +38,7 @@ class ServerConfig:
     token: str | None = None
     rescale_rounds: int = 1
     grace: float = 60.0
+    restart_delay: float = 30.0
     max_restarts: int = 3
     checkpoint_interval: float = 600.0
     hints_interval: float = 30.0
@@ -49,6 +53,10 @@ class ServerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}={value} must be a finite number of seconds > 0")
+        if not (math.isfinite(self.restart_delay) and self.restart_delay >= 0):
+            raise ValueError(
+                f"restart_delay={self.restart_delay} must be >= 0 seconds (0: restarts are free)"
+            )
         if not (math.isfinite(self.checkpoint_interval) and self.checkpoint_interval >= 0):
             raise ValueError(
                 f"checkpoint_interval={self.checkpoint_interval} must be >= 0 seconds (0: off)"

@@ -73,7 +73,9 @@ class Controller:
         os.makedirs(config.state_dir, exist_ok=True)
         self.store = Store(os.path.join(config.state_dir, "state.db"))
         gpn = max(len(n.slots) for n in backend.nodes.values())
-        self.cluster = ClusterSpec(gpus_per_node=gpn, round_seconds=config.interval)
+        self.cluster = ClusterSpec(
+            gpus_per_node=gpn, round_seconds=config.interval, restart_delay=config.restart_delay
+        )
         self.policy = make_policy(config.policy, self.cluster)
         state = self.store.policy_state()
         if state is not None:

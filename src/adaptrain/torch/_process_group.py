@@ -87,11 +87,14 @@ def _shutdown() -> None:
 
     Leaving a gloo process group to be torn down during interpreter finalisation can abort the
     process ("terminate called without an active exception"), which torchrun reports as a
-    failure; destroying it here avoids that.
+    failure; destroying it here avoids that. The SIGINT/SIGTERM handlers stay installed: a
+    signal during the teardown (a scheduler rescaling the job as it ends) only gets recorded,
+    so a run that finished exits 0; with the default action it would die with 143 and be
+    resumed from its last periodic checkpoint, training again on what followed it.
     """
     try:
         checkpoint.wait_for_background_save()  # a periodic checkpoint being written
-        signals.reset()
+        signals.reset(keep_handlers=True)  # a late SIGTERM must not turn exit 0 into 143
         collective.teardown()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

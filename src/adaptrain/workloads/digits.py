@@ -6,6 +6,10 @@ scikit-learn, so no download). Used by the examples, the demo, tests and benchma
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import os
+
 import numpy as np
 import torch
 from torch import nn
@@ -32,13 +36,9 @@ def digits_datasets(
     """
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction} must lie strictly between 0 and 1")
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as exc:  # pragma: no cover - sklearn is a test/demo dependency
-        raise ImportError("digits_datasets needs scikit-learn: pip install scikit-learn") from exc
-    data = load_digits()
-    images = (np.asarray(data.images, dtype=np.float32) / 16.0)[:, None, :, :]
-    labels = np.asarray(data.target, dtype=np.int64)
+    raw_images, raw_labels = _load_digits()
+    images = (np.asarray(raw_images, dtype=np.float32) / 16.0)[:, None, :, :]
+    labels = np.asarray(raw_labels, dtype=np.int64)
     perm = np.random.RandomState(seed).permutation(len(labels))
     n_test = max(1, int(round(test_fraction * len(labels))))
     test_idx, train_idx = np.sort(perm[:n_test]), np.sort(perm[n_test:])
@@ -47,6 +47,25 @@ def digits_datasets(
         return TensorDataset(torch.from_numpy(images[idx].copy()), torch.from_numpy(labels[idx]))
 
     return make(train_idx), make(test_idx)
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits, ``(images [N, 8, 8], labels [N])``: read from the data file it
+    bundles without importing ``sklearn`` (over a second on a busy 2-core machine, most of a
+    job's start-up), through ``load_digits`` where that file is not found."""
+    spec = importlib.util.find_spec("sklearn")  # locates the package, imports nothing
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = os.path.join(folder, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            with gzip.open(path, "rt") as f:
+                data = np.loadtxt(f, delimiter=",")
+            return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as exc:  # pragma: no cover - sklearn is a test/demo dependency
+        raise ImportError("digits_datasets needs scikit-learn: pip install scikit-learn") from exc
+    data = load_digits()
+    return data.images, data.target
 
 
 class DigitsNet(nn.Module):
