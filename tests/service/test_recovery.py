@@ -66,8 +66,10 @@ def test_kill_9_of_the_server_recovers_every_job(server, workdir):
     _submit(srv, workdir, "adopt", 64, 0.25, replicas=2)
     _submit(srv, workdir, "lost", 40, 0.25)
     wait_for(
-        lambda: all(steps_done(state, "adopt", r) >= 2 for r in (0, 1))
-        and steps_done(state, "lost", 0) >= 2,
+        lambda: (
+            all(steps_done(state, "adopt", r) >= 2 for r in (0, 1))
+            and steps_done(state, "lost", 0) >= 2
+        ),
         30,
         "every job stepping",
     )

@@ -10,11 +10,14 @@ can steer the scheduling of a job, token or not. Every error is a 4xx with its r
 from __future__ import annotations
 
 import hmac
+import json
+import math
 import os
 import time
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from .controller import TERMINAL, Controller, JobError
@@ -43,42 +46,38 @@ def create_app(controller: Controller) -> FastAPI:
         description="Elastic training jobs on a shared cluster, scheduled for goodput.",
     )
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None:
-            try:
-                size = int(length)
-            except ValueError:
-                return JSONResponse({"detail": "Content-Length is not a number"}, status_code=400)
-            if size > config.max_body:
-                return JSONResponse(
-                    {"detail": f"request body of {size} bytes exceeds {config.max_body}"},
-                    status_code=413,
-                )
-        return await call_next(request)
+    app.add_middleware(_BodyLimit, limit=config.max_body)
 
     @app.exception_handler(JobError)
     async def job_error(request: Request, exc: JobError):
         return JSONResponse({"detail": str(exc)}, status_code=exc.status)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        # FastAPI's own handler echoes each offending input: a NaN there made the reply
+        # unrenderable (a 500), a huge string made it as huge as the request
+        return JSONResponse({"detail": [_error(e) for e in exc.errors()]}, status_code=422)
+
     def admin(authorization: Annotated[str | None, Header()] = None) -> None:
         if config.token is not None and not _same(_bearer(authorization), config.token):
             raise HTTPException(401, "missing or wrong token (ADAPTRAIN_TOKEN or --token-file)")
 
-    def job_token(job: str, authorization: str | None) -> None:
+    def job_token(job: str, authorization: Annotated[str | None, Header()] = None) -> None:
+        """A dependency: resolved before the body is validated, so a caller without the
+        job's token learns nothing from the replies (not even which jobs exist, where the
+        server has a token)."""
         check = _name(job)
         given = _bearer(authorization)
         if config.token is not None and _same(given, config.token):
             return
         expected = controller.store.token_of(check)
-        if expected is None:
+        if expected is None and config.token is None:
             raise HTTPException(404, f"no job named {check!r}")
         if not _same(given, expected):
             raise HTTPException(401, f"missing or wrong token for job {check!r}")
 
-    def view(job) -> JobView:
-        return JobView(**_view_fields(controller, job))
+    def view(job, live: int | None = None) -> JobView:
+        return JobView(**_view_fields(controller, job, live))
 
     @app.get("/healthz", include_in_schema=False)
     def healthz() -> dict:
@@ -90,7 +89,8 @@ def create_app(controller: Controller) -> FastAPI:
 
     @app.get("/jobs", dependencies=[Depends(admin)])
     def list_jobs() -> list[JobView]:
-        return [view(j) for j in controller.store.jobs()]
+        live = controller.store.live_replicas()
+        return [view(j, live.get(j.name, 0)) for j in controller.store.jobs()]
 
     @app.get("/jobs/{name}", dependencies=[Depends(admin)])
     def describe(name: str) -> JobDetail:
@@ -138,6 +138,8 @@ def create_app(controller: Controller) -> FastAPI:
     def get_file(name: str, path: str) -> Response:
         job = controller._get(_name(name))
         root = os.path.realpath(controller.job_dir(job.name, "share"))
+        if "\x00" in path:
+            raise HTTPException(400, "the path holds a NUL character")
         if os.path.isabs(path) or ".." in path.replace("\\", "/").split("/"):
             raise HTTPException(400, f"path {path!r} must be relative to the share folder, no '..'")
         full = os.path.realpath(os.path.join(root, path))
@@ -145,25 +147,23 @@ def create_app(controller: Controller) -> FastAPI:
             raise HTTPException(400, f"path {path!r} resolves outside the job's share folder")
         if not os.path.isfile(full):
             raise HTTPException(404, f"no file {path!r} in job {job.name!r}'s share folder")
-        with open(full, "rb") as f:
-            return Response(f.read(), media_type="application/octet-stream")
+        try:
+            with open(full, "rb") as f:
+                return Response(f.read(), media_type="application/octet-stream")
+        except OSError as exc:
+            raise HTTPException(403, f"file {path!r} cannot be read: {exc.strerror}") from None
 
-    @app.put("/hints/{job}", status_code=204)
-    def put_hints(
-        job: str, hints: Hints, authorization: Annotated[str | None, Header()] = None
-    ) -> Response:
-        job_token(job, authorization)
+    @app.put("/hints/{job}", status_code=204, dependencies=[Depends(job_token)])
+    def put_hints(job: str, hints: Hints) -> Response:
         controller.put_hints(job, hints.model_dump())
         return Response(status_code=204)
 
-    @app.get("/discover/{job}/{group}")
+    @app.get("/discover/{job}/{group}", dependencies=[Depends(job_token)])
     def discover(
         job: str,
         group: int,
-        authorization: Annotated[str | None, Header()] = None,
         timeout: Annotated[float, Query(ge=0, le=600)] = 30.0,
     ) -> list[str]:
-        job_token(job, authorization)
         deadline = time.monotonic() + timeout
         while True:
             record = controller.store.job(job)
@@ -193,6 +193,84 @@ def create_app(controller: Controller) -> FastAPI:
     return app
 
 
+class _TooLarge(HTTPException):
+    pass
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over ``limit`` bytes gets 413, refused before it is read
+    where its length is declared, cut off as it passes the limit where it is not (chunked)."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for key, value in scope.get("headers", ()):
+            if key == b"content-length":
+                try:
+                    size = int(value)
+                except ValueError:
+                    size = -1
+                if size < 0:
+                    reply = JSONResponse({"detail": "Content-Length is not a number"}, 400)
+                    await reply(scope, receive, send)
+                    return
+                if size > self.limit:
+                    reply = JSONResponse(
+                        {"detail": f"request body of {size} bytes exceeds {self.limit}"}, 413
+                    )
+                    await reply(scope, receive, send)
+                    return
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _TooLarge(413, f"request body exceeds {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _short(value):
+    """``value`` for a reply: JSON-safe (non-finite numbers as text) and short."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, int):
+        return value if abs(value) < 1 << 63 else str(value)[:40] + "..."
+    if isinstance(value, str):
+        return value if len(value) <= 200 else value[:200] + "..."
+    if isinstance(value, (dict, list, tuple)):
+        try:
+            text = json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            text = None
+        if text is not None and len(text) <= 1000:
+            return value
+    text = repr(value) if not isinstance(value, Exception) else str(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _error(err: dict) -> dict:
+    out = {k: err[k] for k in ("type", "loc", "msg") if k in err}
+    if len(str(out.get("msg", ""))) > 1000:
+        out["msg"] = str(out["msg"])[:1000] + "..."
+    if "input" in err:
+        out["input"] = _short(err["input"])
+    if isinstance(err.get("ctx"), dict):
+        out["ctx"] = {k: _short(v) for k, v in err["ctx"].items()}
+    return out
+
+
 def _name(name: str) -> str:
     try:
         return check_name(name)
@@ -200,13 +278,14 @@ def _name(name: str) -> str:
         raise HTTPException(400, str(exc)) from None
 
 
-def _view_fields(controller: Controller, job) -> dict:
+def _view_fields(controller: Controller, job, live: int | None = None) -> dict:
     hints = job.hints or {}
     now = time.time()
     runtime = 0.0
     if job.started is not None:
         runtime = (job.finished or now) - job.started
-    live = sum(1 for r in controller.store.replicas(job.name, job.group) if r.exit_code is None)
+    if live is None:
+        live = sum(1 for r in controller.store.replicas(job.name, job.group) if r.exit_code is None)
     speedup = None
     goodput = hints.get("goodput")
     return {

@@ -89,6 +89,8 @@ class Controller:
         self.pending_reason: dict[str, str] = {}
         self._stop_deadline: dict[str, float] = {}
         self._failure: dict[str, str] = {}
+        #: set by :meth:`shutdown`: no job starts any more
+        self.closing = False
         self._last_tick = time.time()
         self.counters: Counter = Counter()
 
@@ -110,6 +112,8 @@ class Controller:
                 "could never start; lower --min-replicas",
             )
         with self.lock:
+            if self.closing:
+                raise JobError(503, "the server is stopping; submit again once it has restarted")
             name = spec.name or self._generate_name(spec.command)
             if self.store.has_job(name):
                 raise JobError(409, f"a job named {name!r} exists; choose another --name")
@@ -207,14 +211,23 @@ class Controller:
                 self._start_if_free(job)
 
     def _advance(self, job: JobRecord, records, codes: list[int | None], now: float) -> None:
-        failed = [(r.rank, c) for r, c in zip(records, codes) if c is not None and c != 0]
+        failed = [(r.rank, c) for r, c in zip(records, codes) if c not in (None, 0, STOPPED)]
+        stopped = [r.rank for r, c in zip(records, codes) if c == STOPPED]
         if job.phase in ("Starting", "Running"):
             if failed:
                 rank, code = failed[0]
                 why = "vanished (its launcher was killed)" if code == LOST else f"exited {code}"
-                self._failure[job.name] = f"replica {rank} {why}"
-                self.store.add_event(job.name, "ReplicaFailed", self._failure[job.name])
-                self._stop(job, target=None, why=self._failure[job.name])
+                failure = f"replica {rank} {why}"
+                # kept in the database too: a server killed now still counts it on restart
+                self.store.update_job(job.name, reason=failure)
+                self._failure[job.name] = failure
+                self.store.add_event(job.name, "ReplicaFailed", failure)
+                self._stop(job, target=None, why=failure)
+                return
+            if stopped:  # checkpointed on a SIGTERM nobody here sent (e.g. its orphan timeout)
+                self._stop(
+                    job, target=None, why=f"replica {stopped[0]} stopped with a checkpoint (143)"
+                )
                 return
             if codes and all(c == 0 for c in codes):
                 self._finish(job, "Succeeded", None)
@@ -234,7 +247,7 @@ class Controller:
                 self._stop_deadline[job.name] = now + 3600.0
             return
         self._stop_deadline.pop(job.name, None)
-        failure = self._failure.pop(job.name, None)
+        failure = self._failure.pop(job.name, None) or job.reason
         if job.cancel:
             self._finish(job, "Cancelled", "adaptrain delete")
         elif failure is not None:
@@ -245,7 +258,12 @@ class Controller:
                 self.store.update_job(job.name, failures=failures)
             else:
                 self.store.update_job(
-                    job.name, phase="Pending", failures=failures, allocation=[], target=None
+                    job.name,
+                    phase="Pending",
+                    failures=failures,
+                    allocation=[],
+                    target=None,
+                    reason=None,
                 )
                 self.store.add_event(
                     job.name,
@@ -300,6 +318,8 @@ class Controller:
             self._start(job, list(job.target))
 
     def _start(self, job: JobRecord, allocation: list[str]) -> None:
+        if self.closing:
+            return
         group = job.group + 1
         spec = job.spec
         env = {
@@ -458,6 +478,7 @@ class Controller:
         as ``Pending`` for the next server on this state directory."""
         timeout = self.config.grace if timeout is None else timeout
         with self.lock:
+            self.closing = True
             running = self.store.jobs(("Starting", "Running", "Stopping"))
             for job in running:
                 for rec in self.store.replicas(job.name, job.group):

@@ -10,7 +10,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 __all__ = [
     "PHASES",
@@ -40,8 +40,9 @@ def check_name(name: str) -> str:
     """``name`` if it is a DNS label (lowercase letters, digits and ``-``, at most 63, starting
     and ending with a letter or digit), else ``ValueError`` naming the rule."""
     if not isinstance(name, str) or not _NAME.match(name):
+        shown = name if not isinstance(name, str) or len(name) <= 80 else name[:80] + "..."
         raise ValueError(
-            f"job name {name!r} must be a DNS label: 1-63 lowercase letters, digits or '-', "
+            f"job name {shown!r} must be a DNS label: 1-63 lowercase letters, digits or '-', "
             "starting and ending with a letter or digit (e.g. 'mnist-1')"
         )
     return name
@@ -58,7 +59,7 @@ class JobSpec(_Strict):
     command: list[Annotated[str, Field(max_length=4096)]] = Field(min_length=1, max_length=256)
     min_replicas: int = Field(0, ge=0, le=4096)
     max_replicas: int = Field(1, ge=1, le=4096)
-    preemptible: bool = True
+    preemptible: StrictBool = True
     max_restarts: int = Field(3, ge=0, le=1000)
     env: dict[str, Annotated[str, Field(max_length=4096)]] = Field(default_factory=dict)
     #: the submit directory as a gzip'd tar, base64 (``adaptrain submit`` makes it)
@@ -68,6 +69,14 @@ class JobSpec(_Strict):
     @classmethod
     def _name(cls, value: str | None) -> str | None:
         return None if value is None else check_name(value)
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, value: list[str]) -> list[str]:
+        for i, arg in enumerate(value):
+            if "\x00" in arg:
+                raise ValueError(f"command[{i}] holds a NUL character, which no process takes")
+        return value
 
     @field_validator("env")
     @classmethod
@@ -79,6 +88,8 @@ class JobSpec(_Strict):
                 raise ValueError(f"env variable name {key!r} is not a valid name")
             if key.startswith("ADAPTRAIN_"):
                 raise ValueError(f"env variable {key!r}: ADAPTRAIN_* are set by the server")
+            if "\x00" in value[key]:
+                raise ValueError(f"env variable {key!r} holds a NUL character")
         return value
 
     @model_validator(mode="after")
@@ -133,7 +144,7 @@ class Hints(_Strict):
     maxBatchSize: int | None = Field(None, ge=1, le=1 << 30)
     localBszBounds: tuple[int, int] | None = None
     maxProfiledReplicas: int = Field(0, ge=0, le=4096)
-    gradientAccumulation: bool = False
+    gradientAccumulation: StrictBool = False
     gradParams: GradParamsModel | None = None
     perfParams: PerfParamsModel | None = None
     profile: list[ProfileEntry] = Field(default_factory=list, max_length=4096)

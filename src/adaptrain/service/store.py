@@ -249,6 +249,15 @@ class Store:
         with self.transaction() as db:
             db.execute(f"UPDATE jobs SET {', '.join(sets)} WHERE name = ?", (*values, name))
 
+    def live_replicas(self) -> dict[str, int]:
+        """Per job, its replicas of the current group not known to have exited."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT r.job, COUNT(*) FROM replicas r JOIN jobs j ON j.name = r.job "
+                "AND j.grp = r.grp WHERE r.exit_code IS NULL GROUP BY r.job"
+            ).fetchall()
+        return dict(rows)
+
     def token_of(self, name: str) -> str | None:
         with self._lock:
             row = self._db.execute("SELECT token FROM jobs WHERE name = ?", (name,)).fetchone()
