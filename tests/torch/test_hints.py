@@ -289,10 +289,11 @@ def test_one_process_posts_valid_hints_at_the_interval_and_after_each_change(
     # Two posts closer than the interval only when the batch size changed in between.
     changes = _changes(steps)
     assert changes, "the batch size never changed: nothing to check the early post against"
-    # (0.3 s: the slack between a step's record and the server's clock reading of its post)
+    # (1 s: the slack between a step's record and the server's clock reading of its post, on
+    # two cores busy with other work the sender thread may be that late)
     for a, b in zip(record, record[1:]):
         if b["t"] - a["t"] < interval - 0.1:
-            assert any(a["t"] - 0.3 < t0 <= b["t"] for t0, _ in changes), (a["t"], b["t"])
+            assert any(a["t"] - 1.0 < t0 <= b["t"] for t0, _ in changes), (a["t"], b["t"])
     # ... and every change is posted at the next step boundary, long before the interval.
     for t0, t1 in changes:
         assert any(t0 - 0.3 <= r["t"] <= t1 + 1.0 for r in record), (t0, [r["t"] for r in record])
