@@ -36,6 +36,24 @@ status files' times), the relaunch (the ``Started`` event), the interpreter and 
 process group, and the restore + first step. Median over every rescale of ``--repeat`` rounds
 of this, and per direction. Goal <= 5 s.
 
+    python benchmarks/bench_service.py emulated [--jobs 8] [--span 600] [--one-slot 120]
+                                                [--workload WORKLOAD.csv] [--interval 10]
+
+real processes, emulated compute: the first ``--jobs`` jobs of a Pollux workload (default the
+artifact's ``workloads/workload-6.csv``), their arrivals compressed into ``--span`` seconds, on
+``adaptrain server --nodes 4 --slots-per-node 2``. Each job is ``benchmarks/_emulated_job.py``:
+a real adaptrain.torch training loop with real checkpoint-restart whose steps sleep to its
+trace's step time ("emulated compute: sleep") and whose work is the trace's statistical progress
+divided by the job's scale, chosen so that the job takes ``--one-slot`` seconds on one slot at
+its initial batch size (never scaled up: a job shorter than that keeps its trace's work). The
+jobs run once under the default policy (waterfill, ``--max-replicas 8``) and once under
+``--policy fifo`` (``--max-replicas`` = the workload's ``num_replicas``, at most 8), one run after
+the other; each job's JCT is its ``finished - submitted`` from ``GET /jobs`` (what ``adaptrain ls
+--json`` reads). The simulator (:class:`adaptrain.sim.Simulator`, the waterfill policy, 4 nodes
+x 2 GPUs, the same round length and restart delay) replays the same compressed arrivals with
+the same scaled work. Goals: average JCT waterfill / FIFO <= 0.7; waterfill measured /
+simulated within 10%.
+
 Everything it started is stopped at the end.
 """
 
@@ -421,6 +439,149 @@ def control(args: argparse.Namespace) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
+DEFAULT_WORKLOAD = os.path.join(
+    HERE, "..", "..", "shared", "data", "pollux", "workloads", "workload-6.csv"
+)
+if not os.path.exists(DEFAULT_WORKLOAD):
+    DEFAULT_WORKLOAD = "/work/shared/data/pollux/workloads/workload-6.csv"
+#: the simulator's (the artifact's) fixed batch size of ncf under adaptive policies
+FIXED_BATCH = {"ncf": 32768}
+EMULATED_NODES, EMULATED_SLOTS = 4, 2
+
+
+def one_slot_seconds(app, batch_size: int | None = None) -> float:
+    """Seconds ``app``'s whole trace takes on one GPU at ``batch_size`` (default: its initial
+    batch size), by the simulator's progress rule."""
+    bsz = batch_size or app.init_batch_size
+    local = min(max(bsz, app.min_local_bsz), app.max_local_bsz)
+    step, _ = app.get_throughput((1,), local)
+    total = 0.0
+    for epoch in range(app.max_epochs):
+        sqr, var = app.get_grad_stats(bsz, epoch)
+        scale = bsz / app.init_batch_size
+        gain = (var + sqr) / (var / scale + sqr)
+        total += (app.get_progress(epoch + 1) - app.get_progress(epoch)) / gain * step
+    return total
+
+
+def emulated_workload(args: argparse.Namespace):
+    """The first ``--jobs`` jobs, arrivals compressed into ``--span`` s, and each application's
+    scale (its trace's work over that scale takes ``--one-slot`` s on one slot)."""
+    from adaptrain.sim.traces import default_traces_dir, load_applications, load_workload
+
+    rows = load_workload(args.workload)[: args.jobs]
+    t0, t1 = rows[0].time, rows[-1].time
+    squeeze = args.span / (t1 - t0) if t1 > t0 else 1.0
+    apps = load_applications(default_traces_dir(), sorted({w.application for w in rows}))
+    scales = {
+        name: max(1.0, one_slot_seconds(app, FIXED_BATCH.get(name)) / args.one_slot)
+        for name, app in apps.items()
+    }
+    jobs = [(w.name, (w.time - t0) * squeeze, w.application, w.num_replicas) for w in rows]
+    return jobs, apps, scales, squeeze
+
+
+def simulate_emulated(args: argparse.Namespace, jobs, apps, scales) -> dict[str, float]:
+    """The simulator's JCT per job for the same compressed, scaled workload under waterfill."""
+    import copy
+
+    from adaptrain.sched import ClusterSpec, WaterfillPolicy
+    from adaptrain.sim import Simulator
+    from adaptrain.sim.traces import WorkloadJob
+
+    scaled = {}
+    for name, app in apps.items():
+        s = copy.copy(app)
+        s._epoch_progress = app._epoch_progress / scales[name]  # the trace's work / scale
+        scaled[name] = s
+    # 1e-6 s more restart delay keeps the simulator's epoch crossings exact: with whole round
+    # and restart times it rounds them to whole seconds (the artifact's rule), which the scaled
+    # epochs (a fraction of a second each) would turn into no time at all
+    cluster = ClusterSpec(
+        gpus_per_node=EMULATED_SLOTS,
+        round_seconds=args.interval,
+        restart_delay=args.restart_delay + 1e-6,
+    )
+    workload = [WorkloadJob(n, t, a, r, apps[a].init_batch_size) for n, t, a, r in jobs]
+    sim = Simulator(
+        workload, scaled, WaterfillPolicy(cluster=cluster), num_nodes=EMULATED_NODES,
+        cluster=cluster,
+    )  # fmt: skip
+    result = sim.run()
+    return dict(result.jcts)
+
+
+def run_emulated(args: argparse.Namespace, jobs, scales, policy: str) -> dict[str, float]:
+    """Run the jobs under a real server with ``policy``; each job's JCT (s)."""
+    script = os.path.join(HERE, "_emulated_job.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        state = os.path.join(tmp, "state")
+        proc, url = start_server(
+            state,
+            ["--nodes", str(EMULATED_NODES), "--slots-per-node", str(EMULATED_SLOTS),
+             "--policy", policy, "--interval", str(args.interval),
+             "--restart-delay", str(args.restart_delay), "--hints-interval", "2",
+             "--checkpoint-interval", "0", "--grace", "60"],
+        )  # fmt: skip
+        try:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                start = time.time()
+                for name, at, app, replicas in jobs:
+                    time.sleep(max(0.0, start + at - time.time()))
+                    command = [sys.executable, script, app, "--scale", str(scales[app])]
+                    if app in FIXED_BATCH:
+                        command += ["--batch-size", str(FIXED_BATCH[app])]
+                    size = min(replicas, EMULATED_NODES * EMULATED_SLOTS)
+                    spec = {"name": name, "command": command,
+                            "max_replicas": size if policy == "fifo" else 8,
+                            "env": {"OMP_NUM_THREADS": "1"}}  # fmt: skip
+                    http.post("/jobs", json=spec).raise_for_status()
+                    print(f"  [{policy}] t={time.time() - start:6.1f} s submitted {name}",
+                          flush=True)  # fmt: skip
+                names = [j[0] for j in jobs]
+                details = {
+                    n: _wait(lambda n=n: _ended(http, n), 3600, f"{n}'s end", 1.0) for n in names
+                }
+                bad = {n: d["status"] for n, d in details.items() if d["status"] != "Succeeded"}
+                if bad:
+                    raise RuntimeError(f"jobs did not succeed: {bad} (log: {state}.log)")
+                listing = {j["name"]: j for j in http.get("/jobs").json()}
+                return {n: listing[n]["finished"] - listing[n]["submitted"] for n in names}
+        finally:
+            _stop(proc)
+
+
+def emulated(args: argparse.Namespace) -> None:
+    jobs, apps, scales, squeeze = emulated_workload(args)
+    only = set(args.only or ("waterfill", "fifo", "sim"))
+    print(f"emulated compute: sleep. {len(jobs)} jobs of {os.path.basename(args.workload)}, "
+          f"arrivals x{squeeze:.3f} (over {args.span:g} s), {EMULATED_NODES} nodes x "
+          f"{EMULATED_SLOTS} slots, rounds {args.interval:g} s, restart delay "
+          f"{args.restart_delay:g} s")  # fmt: skip
+    for name, app in apps.items():
+        seconds = one_slot_seconds(app, FIXED_BATCH.get(name)) / scales[name]
+        print(f"  {name:<12} work / {scales[name]:7.2f} -> {seconds:6.1f} s on one slot")
+    for n, t, _app, r in jobs:
+        print(f"  {n:<16} at {t:6.1f} s  requests {r}")
+    jct: dict[str, dict[str, float]] = {}
+    if "sim" in only:
+        jct["simulated (waterfill)"] = simulate_emulated(args, jobs, apps, scales)
+    for policy in ("waterfill", "fifo"):
+        if policy in only:
+            jct[f"measured {policy}"] = run_emulated(args, jobs, scales, policy)
+    avg = {k: statistics.mean(v.values()) for k, v in jct.items()}
+    print(f"\n  {'job':<16}" + "".join(f"{k:>24}" for k in jct))
+    for n, *_ in jobs:
+        print(f"  {n:<16}" + "".join(f"{v[n]:24.1f}" for v in jct.values()))
+    print(f"  {'average JCT':<16}" + "".join(f"{avg[k]:24.1f}" for k in jct))
+    wf, ff, sm = (avg.get(k) for k in ("measured waterfill", "measured fifo",
+                                        "simulated (waterfill)"))  # fmt: skip
+    if wf and ff:
+        print(f"  waterfill / fifo = {wf / ff:.3f}  (goal <= 0.7)")
+    if wf and sm:
+        print(f"  waterfill measured / simulated = {wf / sm:.3f}  (goal within 10%: 0.9-1.1)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -436,8 +597,18 @@ def main() -> None:
     s.add_argument("--steps", type=int, default=3, help="steps each job trains")
     r = sub.add_parser("rescale", help="SIGTERM -> first step on the new count, 10M MLP")
     r.add_argument("--repeat", type=int, default=3)
+    e = sub.add_parser("emulated", help="JCT of trace-emulated jobs: waterfill vs FIFO vs sim")
+    e.add_argument("--workload", default=DEFAULT_WORKLOAD)
+    e.add_argument("--jobs", type=int, default=8)
+    e.add_argument("--span", type=float, default=600.0, help="seconds the arrivals spread over")
+    e.add_argument("--one-slot", type=float, default=120.0, help="a job's seconds on one slot")
+    e.add_argument("--interval", type=float, default=10.0)
+    e.add_argument("--restart-delay", type=float, default=5.0)
+    e.add_argument("--only", choices=("waterfill", "fifo", "sim"), action="append")
     args = parser.parse_args()
-    {"control": control, "startup": startup, "rescale": rescale}[args.what](args)
+    {"control": control, "startup": startup, "rescale": rescale, "emulated": emulated}[args.what](
+        args
+    )
 
 
 if __name__ == "__main__":

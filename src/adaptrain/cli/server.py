@@ -21,7 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, help="emulate this many nodes on this machine")
     parser.add_argument("--slots-per-node", type=int, help="slots of each emulated node")
     parser.add_argument("--interval", type=float, default=60.0, help="seconds between rounds")
-    parser.add_argument("--policy", choices=("waterfill", "pollux"), default="waterfill")
+    parser.add_argument(
+        "--policy",
+        choices=("waterfill", "pollux", "fifo"),
+        default="waterfill",
+        help="fifo: a baseline, each job at its --max-replicas in submission order",
+    )
     parser.add_argument("--token-file", help="a file holding the token every client must give")
     parser.add_argument("--max-restarts", type=int, default=3, help="default restart budget")
     parser.add_argument(

@@ -5,6 +5,7 @@ same policies, building what they see with :func:`job_info`.
 """
 
 from .config import Arrivals, ClusterSpec, Exploration, Growth, Objective, Search, Sharing
+from .fifo import FifoPolicy
 from .jobs import JobReport, job_info
 from .memo import Memo, memoized
 from .optimus import OptimusPolicy
@@ -38,6 +39,7 @@ __all__ = [
     "Search",
     "Sharing",
     "ExploringSpeedup",
+    "FifoPolicy",
     "JobInfo",
     "JobReport",
     "Memo",

@@ -61,8 +61,8 @@ class ServerConfig:
             raise ValueError(
                 f"checkpoint_interval={self.checkpoint_interval} must be >= 0 seconds (0: off)"
             )
-        if self.policy not in ("waterfill", "pollux"):
-            raise ValueError(f"--policy {self.policy!r} must be 'waterfill' or 'pollux'")
+        if self.policy not in ("waterfill", "pollux", "fifo"):
+            raise ValueError(f"--policy {self.policy!r} must be 'waterfill', 'pollux' or 'fifo'")
         if self.rescale_rounds < 0 or self.max_restarts < 0:
             raise ValueError("rescale_rounds and max_restarts must be >= 0")
         if not is_loopback(self.host) and not self.token:

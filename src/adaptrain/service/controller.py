@@ -31,7 +31,14 @@ import time
 from collections import Counter
 from typing import Any
 
-from adaptrain.sched import ClusterSpec, NodeInfo, PolluxPolicy, WaterfillPolicy, job_info
+from adaptrain.sched import (
+    ClusterSpec,
+    FifoPolicy,
+    NodeInfo,
+    PolluxPolicy,
+    WaterfillPolicy,
+    job_info,
+)
 
 from .config import ServerConfig
 from .local import LOST, LocalBackend
@@ -60,6 +67,8 @@ class JobError(Exception):
 def make_policy(name: str, cluster: ClusterSpec, seed: int = 0):
     if name == "pollux":
         return PolluxPolicy(cluster=cluster, seed=seed)
+    if name == "fifo":  # a baseline: each job at its --max-replicas, in submission order
+        return FifoPolicy()
     return WaterfillPolicy(cluster=cluster, seed=seed)
 
 
