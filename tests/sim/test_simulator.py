@@ -348,3 +348,15 @@ def test_the_simulator_reports_each_job_s_measured_profile_read_only(tiny_traces
     assert dict(info.profile) == job.profile and job.profile
     for (n, r, b), (step, sync) in info.profile.items():
         assert 1 <= n <= r and b >= 1 and step > 0 and sync >= 0
+
+
+def test_fifo_runs_each_job_at_its_workload_size_in_order(tiny_traces):
+    from adaptrain.sched import FifoPolicy
+
+    apps = load_applications(tiny_traces)
+    work = [WorkloadJob("a", 0.0, "toy", 2, 8), WorkloadJob("b", 1.0, "toy", 2, 16)]
+    sim = Simulator(work, apps, FifoPolicy(), cluster=ClusterSpec(gpus_per_node=2), num_nodes=1)
+    sim.step()
+    assert sim.allocations == {"a": [0, 0]}  # b waits: it does not fit beside a
+    result = sim.run(max_time=20000)
+    assert set(result.jcts) == {"a", "b"} and result.jcts["b"] > result.jcts["a"]

@@ -14,7 +14,7 @@ logger = logging.getLogger(__name__)
 NAME = "simulate"
 HELP = "replay a cluster workload trace under a scheduling policy (trace-driven simulator)"
 
-POLICIES = ("waterfill", "pollux", "tiresias", "optimus")
+POLICIES = ("waterfill", "pollux", "tiresias", "optimus", "fifo")
 
 
 def make_policy(name: str, seed: int = 0, *, cluster=None):
@@ -24,6 +24,7 @@ def make_policy(name: str, seed: int = 0, *, cluster=None):
     with it."""
     from adaptrain.sched import (
         ClusterSpec,
+        FifoPolicy,
         OptimusPolicy,
         PolluxPolicy,
         TiresiasPolicy,
@@ -39,6 +40,8 @@ def make_policy(name: str, seed: int = 0, *, cluster=None):
         return TiresiasPolicy()
     if name == "optimus":
         return OptimusPolicy()
+    if name == "fifo":
+        return FifoPolicy()
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}")
 
 

@@ -48,9 +48,9 @@ SHARED_MEMOS = GoodputMemos()
 
 
 def job_kind_for_policy(policy_name: str) -> str:
-    """Which workload columns a policy's jobs use: 'fixed' (replicas + batch size, Tiresias),
-    'batch' (batch size only, Optimus) or 'adaptive' (neither: Pollux and ours)."""
-    return {"tiresias": "fixed", "optimus": "batch"}.get(policy_name, "adaptive")
+    """Which workload columns a policy's jobs use: 'fixed' (replicas + batch size: Tiresias,
+    FIFO), 'batch' (batch size only, Optimus) or 'adaptive' (neither: Pollux and ours)."""
+    return {"tiresias": "fixed", "fifo": "fixed", "optimus": "batch"}.get(policy_name, "adaptive")
 
 
 class SimJob:
