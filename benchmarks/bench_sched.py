@@ -78,6 +78,10 @@ import scipy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+# the artifact's traces, workloads and stored results beside the checkout
+from _artifact import default_traces_dir
 
 from adaptrain.cli.simulate import POLICIES, make_policy
 from adaptrain.sched import (
@@ -92,19 +96,6 @@ from adaptrain.sched import (
 )
 from adaptrain.sim.simulator import Simulator
 from adaptrain.sim.traces import load_applications, load_workload
-
-# The artifact's data folder beside the checkout: its traces/ (the default --traces) and, in
-# its parent, the workloads and stored results these scripts read.
-_SHARED_TRACES = os.path.normpath(
-    os.path.join(HERE, "..", "..", "shared", "data", "pollux", "traces")
-)
-
-
-def default_traces_dir() -> str | None:
-    """``../shared/data/pollux/traces`` beside the checkout (with the workloads and stored
-    results in its parent folder), or None."""
-    return _SHARED_TRACES if os.path.isdir(_SHARED_TRACES) else None
-
 
 VARIANTS = {
     "waterfill-noexplore": lambda seed: WaterfillPolicy(

@@ -59,6 +59,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "src"))
+sys.path.insert(0, HERE)
+
+# the artifact's traces, workloads and stored results beside the checkout
+from _artifact import default_traces_dir
 
 from adaptrain.core.goodput import GoodputFunction, fit_perf_params
 from adaptrain.sched import (
@@ -68,18 +72,6 @@ from adaptrain.sched import (
 from adaptrain.sched.speedup import SpeedupFunction
 from adaptrain.sim.simulator import SimJob, Simulator
 from adaptrain.sim.traces import load_applications, load_workload
-
-# The artifact's data folder beside the checkout: its traces/ (the default --traces) and, in
-# its parent, the workloads and stored results these scripts read.
-_SHARED_TRACES = os.path.normpath(
-    os.path.join(HERE, "..", "..", "shared", "data", "pollux", "traces")
-)
-
-
-def default_traces_dir() -> str | None:
-    """``../shared/data/pollux/traces`` beside the checkout (with the workloads and stored
-    results in its parent folder), or None."""
-    return _SHARED_TRACES if os.path.isdir(_SHARED_TRACES) else None
 
 
 class FullModelSimulator(Simulator):

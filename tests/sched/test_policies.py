@@ -7,6 +7,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from _sched_cases import cluster_and_jobs
+from _sched_cases import concave as _concave
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,66 +26,6 @@ from adaptrain.sched import (
     check_allocations,
 )
 from adaptrain.sched.pollux import nondominated_ranks
-
-
-def _concave(a: float):
-    def fn(n, r):
-        r = np.asarray(r, dtype=float)
-        n = np.asarray(n, dtype=float)
-        return np.where(r > 0, r**a / (1.0 + 0.1 * np.maximum(n - 1, 0)), 0.0)
-
-    return fn
-
-
-def _step_time(c: float):
-    return lambda r: c / r + 0.01 * r
-
-
-@st.composite
-def cluster_and_jobs(draw):
-    num_nodes = draw(st.integers(1, 5))
-    gpus = draw(st.integers(1, 4))
-    nodes = {i: NodeInfo(gpus) for i in range(num_nodes)}
-    jobs = {}
-    for j in range(draw(st.integers(1, 9))):
-        max_r = draw(st.integers(1, 12))
-        min_r = draw(st.integers(0, min(max_r, 2)))
-        kind = draw(st.sampled_from(["linear", "concave", "none"]))
-        fn = {
-            "linear": LinearSpeedup(),
-            "concave": _concave(draw(st.floats(0.3, 1.0))),
-            "none": None,
-        }[kind]
-        jobs[f"j{j}"] = JobInfo(
-            creation_timestamp=float(j),
-            attained_service=draw(st.floats(0, 1e5)),
-            min_replicas=min_r,
-            max_replicas=max_r,
-            speedup_fn=fn,
-            num_restarts=draw(st.integers(0, 3)),
-            age=draw(st.floats(0, 1e4)),
-            step_time_fn=_step_time(draw(st.floats(0.1, 2.0))),
-            remaining_steps=draw(st.floats(1, 1e4)),
-            # a known remaining work and a smaller tried size switch waterfill's exploration on
-            remaining_work=draw(st.none() | st.floats(0, 1e6)),
-            max_profiled_replicas=draw(st.integers(0, max_r)),
-            # a limit above max_replicas makes max_replicas an exploration cap: ramp credit
-            replica_limit=draw(st.none() | st.integers(max_r, 24)),
-        )
-    # a random (valid) current allocation: fill nodes in order
-    base = {}
-    free = collections.Counter({n: gpus for n in nodes})
-    for key, job in jobs.items():
-        want = draw(st.integers(0, job.max_replicas))
-        alloc = []
-        for n in nodes:
-            take = min(free[n], want - len(alloc))
-            alloc += [n] * take
-            free[n] -= take
-        if len(alloc) == want and (want == 0 or want >= job.min_replicas) and len(set(alloc)) <= 1:
-            base[key] = alloc
-    return jobs, nodes, base
-
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
