@@ -9,6 +9,7 @@ can steer the scheduling of a job, token or not. Every error is a 4xx with its r
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import math
@@ -18,7 +19,7 @@ from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 
 from .controller import TERMINAL, Controller, JobError
 from .metrics import Metrics
@@ -147,11 +148,10 @@ def create_app(controller: Controller) -> FastAPI:
             raise HTTPException(400, f"path {path!r} resolves outside the job's share folder")
         if not os.path.isfile(full):
             raise HTTPException(404, f"no file {path!r} in job {job.name!r}'s share folder")
-        try:
-            with open(full, "rb") as f:
-                return Response(f.read(), media_type="application/octet-stream")
-        except OSError as exc:
-            raise HTTPException(403, f"file {path!r} cannot be read: {exc.strerror}") from None
+        if not os.access(full, os.R_OK):
+            raise HTTPException(403, f"file {path!r} cannot be read")
+        # streamed in chunks: a checkpoint-sized file is never held in memory whole
+        return FileResponse(full, media_type="application/octet-stream")
 
     @app.put("/hints/{job}", status_code=204, dependencies=[Depends(job_token)])
     def put_hints(job: str, hints: Hints) -> Response:
@@ -159,11 +159,12 @@ def create_app(controller: Controller) -> FastAPI:
         return Response(status_code=204)
 
     @app.get("/discover/{job}/{group}", dependencies=[Depends(job_token)])
-    def discover(
+    async def discover(
         job: str,
         group: int,
         timeout: Annotated[float, Query(ge=0, le=600)] = 30.0,
     ) -> list[str]:
+        # a long poll on the event loop: a waiting caller holds no server thread
         deadline = time.monotonic() + timeout
         while True:
             record = controller.store.job(job)
@@ -173,7 +174,7 @@ def create_app(controller: Controller) -> FastAPI:
                     return ["127.0.0.1"] * len(reps)
             if record is None or record.group > group or time.monotonic() >= deadline:
                 raise HTTPException(408, f"group {group} of job {job!r} is not running")
-            time.sleep(0.2)
+            await asyncio.sleep(0.2)
 
     @app.get("/metrics", dependencies=[Depends(admin)], include_in_schema=False)
     def get_metrics() -> Response:
