@@ -15,63 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _sigint_default() -> None:
-    # As in a terminal: a test run started as a background job inherits SIGINT ignored, and
-    # Python then installs no Ctrl-C handler.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _wait_for(proc: subprocess.Popen, log: Path, pattern: str, timeout: float = 90) -> str:
-    """The text of ``log`` once it matches ``pattern`` (the process still running)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = log.read_text()
-        if re.search(pattern, text):
-            return text
-        assert proc.poll() is None, f"ended ({proc.returncode}) before {pattern!r}: {text[-3000:]}"
-        assert time.monotonic() < deadline, f"no {pattern!r} in {timeout} s: {text[-3000:]}"
-        time.sleep(0.05)
-
-
-def _finish(proc: subprocess.Popen) -> None:
-    """Make sure ``proc`` is gone."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-
-
-def _traces(real_data: str) -> str:
-    """The folder of the artifact's traces."""
-    return os.path.join(real_data, "traces")
-
-
-def _simulate_cmd(traces: str, workload: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "adaptrain",
-        "simulate",
-        str(workload),
-        "--traces",
-        traces,
-        *extra,
-    ]
+from _cli_cases import env as _env
+from _cli_cases import finish as _finish
+from _cli_cases import sigint_default as _sigint_default
+from _cli_cases import simulate_cmd as _simulate_cmd
+from _cli_cases import traces as _traces
+from _cli_cases import wait_for as _wait_for
 
 
 @pytest.mark.timeout(120)

@@ -7,36 +7,15 @@ is absent).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _traces(real_data: str) -> str:
-    """The folder of the artifact's traces."""
-    return os.path.join(real_data, "traces")
-
-
-def _simulate_cmd(traces: str, workload: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "adaptrain",
-        "simulate",
-        str(workload),
-        "--traces",
-        traces,
-        *extra,
-    ]
+from _cli_cases import env as _env
+from _cli_cases import finish as _finish
+from _cli_cases import simulate_cmd as _simulate_cmd
+from _cli_cases import traces as _traces
 
 
 def _two_jobs(tmp_path: Path) -> Path:
@@ -98,18 +77,3 @@ def test_simulate_on_a_terminal_still_draws_its_bar(tmp_path, real_data):
     assert proc.returncode == 0, err[-3000:]
     assert b"\r" in err and b"sim-s" in err  # tqdm's bar
     assert b"finished 2/2 jobs" not in err and b"avg JCT" in stdout
-
-
-def _finish(proc: subprocess.Popen) -> None:
-    """Make sure ``proc`` is gone."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)

@@ -26,6 +26,25 @@ from adaptrain.torch import _hints
 from adaptrain.workloads.digits import DigitsNet, digits_datasets
 
 
+def replica_env(port: int, replicas: int, rank: int, **extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's or job's variables, with those of
+    ``rank`` of ``replicas`` gloo replicas meeting on 127.0.0.1:``port``, and ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("ADAPTRAIN_", "MASTER_", "TORCHELASTIC_"))
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
+    env.update(
+        ADAPTRAIN_MASTER_ADDR="127.0.0.1",
+        ADAPTRAIN_MASTER_PORT=str(port),
+        ADAPTRAIN_NUM_REPLICAS=str(replicas),
+        ADAPTRAIN_REPLICA_RANK=str(rank),
+        **extra,
+    )
+    return env
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True, help="folder of the per-rank logs")

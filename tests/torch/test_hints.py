@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ from typing import Annotated, Any
 
 import pytest
 import uvicorn
+from _supervised_train import replica_env
 from fastapi import FastAPI, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -187,17 +187,10 @@ def train(
     port = _free_port()
     procs = []
     for rank in range(replicas):
-        e = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("ADAPTRAIN_", "MASTER_", "TORCHELASTIC_"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-        }
-        e.update(
-            ADAPTRAIN_MASTER_ADDR="127.0.0.1",
-            ADAPTRAIN_MASTER_PORT=str(port),
-            ADAPTRAIN_NUM_REPLICAS=str(replicas),
-            ADAPTRAIN_REPLICA_RANK=str(rank),
+        e = replica_env(
+            port,
+            replicas,
+            rank,
             ADAPTRAIN_JOB_ID=JOB,
             ADAPTRAIN_JOB_TOKEN=f"tok-{rank}",
             ADAPTRAIN_HINTS_INTERVAL=str(interval),

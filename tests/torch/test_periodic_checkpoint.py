@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _supervised_train import replica_env
 
 from adaptrain.dist.checkpoint import latest_checkpoint
 
@@ -39,17 +40,10 @@ def _launch(
         port = s.getsockname()[1]
     procs = []
     for rank in range(replicas):
-        e = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("ADAPTRAIN_", "MASTER_", "TORCHELASTIC_"))
-            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-        }
-        e.update(
-            ADAPTRAIN_MASTER_ADDR="127.0.0.1",
-            ADAPTRAIN_MASTER_PORT=str(port),
-            ADAPTRAIN_NUM_REPLICAS=str(replicas),
-            ADAPTRAIN_REPLICA_RANK=str(rank),
+        e = replica_env(
+            port,
+            replicas,
+            rank,
             ADAPTRAIN_CHECKPOINT_PATH=str(ckpt),
         )
         if interval is not None:
