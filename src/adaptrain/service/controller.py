@@ -40,8 +40,8 @@ from adaptrain.sched import (
     job_info,
 )
 
+from .backend import LOST, Backend
 from .config import ServerConfig
-from .local import LOST, LocalBackend
 from .models import JobSpec
 from .reports import job_report
 from .store import JobRecord, Store
@@ -75,7 +75,7 @@ def make_policy(name: str, cluster: ClusterSpec, seed: int = 0):
 class Controller:
     """Owns the store, the backend and the policy; thread-safe (one lock)."""
 
-    def __init__(self, config: ServerConfig, backend: LocalBackend, url: str) -> None:
+    def __init__(self, config: ServerConfig, backend: Backend, url: str) -> None:
         self.config = config
         self.backend = backend
         self.url = url

@@ -20,26 +20,15 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import psutil
 
+from .backend import LOST, Node
 from .store import ReplicaRecord
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LocalBackend", "Node", "detect_gpus", "free_port"]
-
-#: exit status of a replica whose launcher vanished without a status (e.g. killed with -9)
-LOST = -1
-
-
-@dataclass(frozen=True)
-class Node:
-    """An (emulated) node: its name and its slots, each a GPU index or ``None`` (a CPU slot)."""
-
-    name: str
-    slots: tuple[int | None, ...]
+__all__ = ["LOST", "LocalBackend", "Node", "detect_gpus", "free_port", "make_nodes"]
 
 
 def detect_gpus() -> list[int]:

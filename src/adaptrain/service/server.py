@@ -16,12 +16,14 @@ import socket
 import threading
 import time
 
+import psutil
 import uvicorn
 
 from .api import create_app
+from .backend import Backend, Node
 from .config import ServerConfig
 from .controller import Controller
-from .local import LocalBackend, Node
+from .local import LocalBackend
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +31,19 @@ __all__ = ["Server"]
 
 
 class Server:
-    """The service on ``nodes`` with ``config``; :meth:`serve` blocks until :meth:`stop`."""
+    """The service with ``config`` on ``nodes`` of this machine (a
+    :class:`~adaptrain.service.local.LocalBackend`) or on ``backend`` (a
+    :class:`~adaptrain.service.backend.Backend` built on the state directory's ``runs``
+    folder, see :meth:`runs_dir`); :meth:`serve` blocks until :meth:`stop`."""
 
-    def __init__(self, config: ServerConfig, nodes: list[Node]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        nodes: list[Node] | None = None,
+        backend: Backend | None = None,
+    ) -> None:
+        if (nodes is None) == (backend is None):
+            raise ValueError("give the server either nodes (the local backend) or a backend")
         self.config = config
         os.makedirs(config.state_dir, exist_ok=True)
         self._lock_file = open(os.path.join(config.state_dir, "server.lock"), "a+")  # noqa: SIM115
@@ -50,16 +62,22 @@ class Server:
         host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
         client_host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else host
         self.url = f"http://{client_host}:{self.port}"
-        backend = LocalBackend(
-            nodes,
-            os.path.join(config.state_dir, "runs"),
-            orphan_timeout=config.orphan_timeout,
-            server_file=os.path.abspath(os.path.join(config.state_dir, "server.json")),
-        )
+        if backend is None:
+            backend = LocalBackend(
+                nodes,
+                self.runs_dir(config),
+                orphan_timeout=config.orphan_timeout,
+                server_file=os.path.abspath(os.path.join(config.state_dir, "server.json")),
+            )
         self.controller = Controller(config, backend, self.url)
         self.app = create_app(self.controller)
         self._stop = threading.Event()
         self._uvicorn: uvicorn.Server | None = None
+
+    @staticmethod
+    def runs_dir(config: ServerConfig) -> str:
+        """Where replicas' logs and exit statuses go under the state directory."""
+        return os.path.join(config.state_dir, "runs")
 
     def serve(self, ready: threading.Event | None = None) -> None:
         self.controller.recover()
@@ -75,7 +93,8 @@ class Server:
         while not self._uvicorn.started and http.is_alive():
             time.sleep(0.02)
         # the replicas re-adopted from a previous server watch this one from now on
-        info = {"url": self.url, "pid": os.getpid(), "create_time": self.controller.backend._me[1]}
+        me = psutil.Process()
+        info = {"url": self.url, "pid": me.pid, "create_time": me.create_time()}
         path = os.path.join(self.config.state_dir, "server.json")
         with open(f"{path}.tmp", "w") as f:
             json.dump(info, f)
