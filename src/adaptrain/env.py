@@ -236,6 +236,12 @@ def supervisor_url() -> str | None:
     return _get("ADAPTRAIN_SUPERVISOR_URL")
 
 
+def supervisor_file() -> str | None:
+    """A JSON file naming the supervisor's current URL (``ADAPTRAIN_SUPERVISOR_FILE``, set by
+    the server: its ``server.json``), read again when a post fails; None when not set."""
+    return _get("ADAPTRAIN_SUPERVISOR_FILE")
+
+
 def job_token() -> str | None:
     """The job's secret for the supervisor (``ADAPTRAIN_JOB_TOKEN``), or None.
 

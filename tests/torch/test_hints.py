@@ -353,3 +353,33 @@ def test_a_hanging_or_absent_supervisor_does_not_slow_training(tmp_path: Path) -
         assert statistics.median(times) < 2.0 * base, (statistics.median(times), base)
     assert hang_err.count(WARNING) == 1 and down_err.count(WARNING) == 1, (hang_err, down_err)
     assert RECOVERED not in hang_err + down_err
+
+
+def test_a_reporter_follows_the_supervisor_to_the_url_its_file_names(tmp_path: Path) -> None:
+    # A server restarted on another port rewrites server.json; a replica it re-adopted still
+    # has the old URL in its environment and must find the new one after a failed post.
+    from adaptrain.torch._hints import HintsReporter
+
+    url_file = tmp_path / "server.json"
+    with supervisor() as (old_url, old_record):
+        url_file.write_text(json.dumps({"url": old_url}))
+        rep = HintsReporter(old_url, "job-a", "secret", 0.1, backoff=0.1, url_file=str(url_file))
+        rep.offer({"n": 1})
+        deadline = time.monotonic() + 20
+        while rep.posted < 1:
+            assert time.monotonic() < deadline, rep.last_error
+            time.sleep(0.05)
+    try:
+        with supervisor() as (new_url, new_record):
+            assert new_url != old_url
+            url_file.write_text(json.dumps({"url": new_url}))
+            rep.offer({"n": 2})
+            deadline = time.monotonic() + 20
+            while not new_record:
+                assert time.monotonic() < deadline, rep.last_error
+                time.sleep(0.05)
+    finally:
+        rep.close(timeout=5)
+    assert [r["body"] for r in old_record] == [{"n": 1}]
+    assert new_record[0]["body"] == {"n": 2} and new_record[0]["auth"] == "Bearer secret"
+    assert rep.failures >= 1 and rep.endpoint == f"{new_url}/hints/job-a"

@@ -338,6 +338,10 @@ class Controller:
             "ADAPTRAIN_SHARE_PATH": os.path.abspath(self.job_dir(job.name, "share")),
             "ADAPTRAIN_TENSORBOARD_LOGDIR": os.path.abspath(self.job_dir(job.name, "tensorboard")),
             "ADAPTRAIN_SUPERVISOR_URL": self.url,
+            # a restarted server writes its new URL there (see Server.serve)
+            "ADAPTRAIN_SUPERVISOR_FILE": os.path.abspath(
+                os.path.join(self.config.state_dir, "server.json")
+            ),
             "ADAPTRAIN_JOB_TOKEN": job.token,
             "ADAPTRAIN_SCHED_VERSION": _version(),
             "ADAPTRAIN_CHECKPOINT_INTERVAL": repr(self.config.checkpoint_interval),

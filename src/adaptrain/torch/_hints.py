@@ -13,12 +13,16 @@ the body (a few dicts, tens of microseconds) and drops it into a one-slot mailbo
 one not yet sent; a daemon thread sends the newest body with a timeout (5 s). A failing
 supervisor (an error status, a timeout, a refused connection) is logged once, as a warning,
 then retried with exponential backoff (1 s doubling up to 60 s, always with the newest body),
-and logged again, once, when a post goes through. A standalone run (no supervisor URL), and
+and logged again, once, when a post goes through. A server restarted on another port names
+its new URL in ``ADAPTRAIN_SUPERVISOR_FILE`` (its ``server.json``); after a failed post the
+reporter reads that file and posts to the URL it names, so a re-adopted replica's hints reach
+the new server. A standalone run (no supervisor URL), and
 every replica but rank 0, starts no thread and never imports ``httpx``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import threading
@@ -51,6 +55,8 @@ class HintsReporter:
         timeout: seconds a post may take (connect, send, answer) before it counts as failed.
         backoff: seconds before the first retry after a failure; doubles at each failure.
         max_backoff: the longest wait between two retries.
+        url_file: a JSON file whose ``"url"`` is the supervisor's current base URL, read again
+            after each failed post (the server may have restarted on another port).
     """
 
     def __init__(
@@ -63,13 +69,16 @@ class HintsReporter:
         timeout: float = 5.0,
         backoff: float = 1.0,
         max_backoff: float = 60.0,
+        url_file: str | None = None,
     ) -> None:
         if not interval > 0 or not timeout > 0 or not 0 < backoff <= max_backoff:
             raise ValueError(
                 f"interval={interval}, timeout={timeout} and backoff={backoff} must be > 0, "
                 f"and backoff ≤ max_backoff={max_backoff}"
             )
-        self.endpoint = f"{url.rstrip('/')}/hints/{urllib.parse.quote(job_id, safe='')}"
+        self._path = f"/hints/{urllib.parse.quote(job_id, safe='')}"
+        self.endpoint = f"{url.rstrip('/')}{self._path}"
+        self.url_file = url_file
         self.interval = float(interval)
         self.timeout = float(timeout)
         self.backoff = float(backoff)
@@ -157,7 +166,23 @@ class HintsReporter:
                         self.max_backoff,
                     )
                 self.failing = True
+                self._follow_url_file()
                 delay = min(self.max_backoff, self.backoff if not delay else 2 * delay)
+
+    def _follow_url_file(self) -> None:
+        """Post to the URL the supervisor's file names now, if it names another one."""
+        if self.url_file is None:
+            return
+        try:
+            with open(self.url_file) as f:
+                url = json.load(f)["url"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        if isinstance(url, str) and url.startswith(("http://", "https://")):
+            endpoint = f"{url.rstrip('/')}{self._path}"
+            if endpoint != self.endpoint:
+                logger.info("hints: the supervisor moved to %s", url)
+                self.endpoint = endpoint
 
     def _send(self, client: Any, httpx: Any, body: dict[str, Any]) -> str | None:
         """PUT ``body``; None when accepted (2xx), else what went wrong."""
@@ -215,7 +240,9 @@ def configure() -> HintsReporter | None:
                 f"ADAPTRAIN_SUPERVISOR_URL={url} is set but ADAPTRAIN_JOB_ID is not: the hints "
                 "endpoint needs the job's name"
             )
-        _reporter = HintsReporter(url, job, env.job_token(), env.hints_interval())
+        _reporter = HintsReporter(
+            url, job, env.job_token(), env.hints_interval(), url_file=env.supervisor_file()
+        )
         active = True
     _configured = True
     return _reporter
