@@ -1,4 +1,5 @@
 """``adaptrain demo``: the main job — a character LM on local replicas with autoscaled batch size.
+(``adaptrain demo --cluster``: the scheduler service with three jobs, :mod:`._cluster_demo`.)
 
 Launches ``torchrun`` (``python -m torch.distributed.run``) with ``--replicas`` gloo workers running
 :mod:`adaptrain.cli._demo_worker`. torchrun runs in its own session, so Ctrl-C in the terminal
@@ -40,7 +41,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "is only reported: give another --out, or --fresh, to train anew",
     )
     parser.add_argument("--replicas", type=int, default=2, help="local replicas (default 2)")
-    parser.add_argument("--out", default="out/demo", help="output folder (default out/demo)")
+    parser.add_argument(
+        "--out", help="output folder (default out/demo; out/demo-cluster with --cluster)"
+    )
+    parser.add_argument(
+        "--cluster",
+        action="store_true",
+        help="instead: an embedded scheduler server with emulated nodes, its web dashboard, "
+        "and three small jobs submitted a few seconds apart, re-divided by the policy over "
+        "--minutes; a summary and a PNG of the allocations at the end",
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=2, help="with --cluster: emulated nodes (default 2)"
+    )
+    parser.add_argument(
+        "--slots-per-node", type=int, default=2, help="with --cluster: slots per node (default 2)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=0, help="with --cluster: the dashboard's port (0: any free)"
+    )
     parser.add_argument(
         "--max-batch-size", type=int, default=512, help="largest global batch autoscaling may pick"
     )
@@ -208,7 +227,15 @@ def _lock(out: Path) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = _check_arguments(args)
+    cluster = getattr(args, "cluster", False)
+    if args.out is None:
+        args.out = "out/demo-cluster" if cluster else "out/demo"
+    if cluster:
+        from ._cluster_demo import check_arguments
+
+        problem = check_arguments(args)
+    else:
+        problem = _check_arguments(args)
     if problem is not None:
         print(f"adaptrain demo: {problem}", file=sys.stderr)
         return 2
@@ -231,6 +258,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        if cluster:
+            from ._cluster_demo import run as run_cluster
+
+            return run_cluster(args, out)
         return _run_locked(args, out, ckpt, lock_fd)
     finally:
         if lock_fd is not None:

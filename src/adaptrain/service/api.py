@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response
 
 from .controller import TERMINAL, Controller, JobError
+from .dashboard import add_dashboard
 from .metrics import Metrics
 from .models import Hints, JobDetail, JobEvent, JobSpec, JobView, check_name
 
@@ -124,9 +125,12 @@ def create_app(controller: Controller) -> FastAPI:
         rank: Annotated[int | None, Query(ge=0, le=4096)] = None,
         offset: Annotated[int, Query(ge=0)] = 0,
         limit: Annotated[int, Query(ge=1, le=16 * 1024 * 1024)] = 1024 * 1024,
+        tail: Annotated[int | None, Query(ge=1, le=16 * 1024 * 1024)] = None,
     ) -> Response:
         job = controller._get(_name(name))
         data = _log_stream(controller, job, rank)
+        if tail is not None:  # the last bytes (the dashboard's log pane); offset is ignored
+            offset = max(0, len(data) - tail)
         chunk = data[offset : offset + limit]
         headers = {
             "X-Next-Offset": str(offset + len(chunk)),
@@ -191,6 +195,7 @@ def create_app(controller: Controller) -> FastAPI:
             "interval": config.interval,
         }
 
+    add_dashboard(app, controller, admin)
     return app
 
 
@@ -287,7 +292,7 @@ def _view_fields(controller: Controller, job, live: int | None = None) -> dict:
         runtime = (job.finished or now) - job.started
     if live is None:
         live = sum(1 for r in controller.store.replicas(job.name, job.group) if r.exit_code is None)
-    speedup = None
+    speedup = controller.speedup(job)
     goodput = hints.get("goodput")
     return {
         "name": job.name,

@@ -6,7 +6,9 @@ changed or emptied: SIGTERM, the library's checkpoint, exit 143) -> ``Pending`` 
 back to ``Starting`` on the new allocation); ``Succeeded`` when every replica exits 0;
 ``Failed`` once a job that keeps crashing has used its restart budget; ``Cancelled`` by
 ``adaptrain delete``. Unlike AdaptDL's, a replica that exits non-zero (not 143 after a stop)
-restarts the job from its last checkpoint, up to ``max_restarts`` times.
+restarts the job from its last checkpoint, up to ``max_restarts`` times; a replica lost with
+its node (the backend drops the node from :attr:`Backend.nodes`) restarts it at once on the
+remaining nodes, which does not count against that budget.
 
 Every :attr:`ServerConfig.interval` seconds a round builds each job's
 :class:`~adaptrain.sched.JobInfo` from its hints (:func:`adaptrain.sched.job_info`) and asks
@@ -28,7 +30,7 @@ import signal
 import tarfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from typing import Any
 
 from adaptrain.sched import (
@@ -43,8 +45,8 @@ from adaptrain.sched import (
 from .backend import LOST, Backend
 from .config import ServerConfig
 from .models import JobSpec
-from .reports import job_report
-from .store import JobRecord, Store
+from .reports import job_report, speedup_from_hints
+from .store import JobRecord, SampleRecord, Store
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,10 @@ ACTIVE = ("Pending", "Starting", "Running", "Stopping")
 TERMINAL = ("Succeeded", "Failed", "Cancelled")
 #: exit status of a replica stopped by SIGTERM after checkpointing (128 + 15)
 STOPPED = 143
+#: seconds (at most ``grace``) the other replicas of a job that lost one with its node get to
+#: exit before SIGKILL: a checkpoint needs every replica, and they may hang in a collective
+#: with the one gone
+NODE_LOSS_GRACE = 5.0
 
 
 class JobError(Exception):
@@ -97,11 +103,15 @@ class Controller:
         self.round_seconds: list[float] = []
         self.pending_reason: dict[str, str] = {}
         self._stop_deadline: dict[str, float] = {}
+        #: stopping jobs whose deadline a lost node cut short (see NODE_LOSS_GRACE)
+        self._cut_short: set[str] = set()
         self._failure: dict[str, str] = {}
         #: set by :meth:`shutdown`: no job starts any more
         self.closing = False
         self._last_tick = time.time()
         self.counters: Counter = Counter()
+        #: job -> ((hints time, allocation), its speedup there): see :meth:`speedup`
+        self._speedups: dict[str, tuple[tuple, float | None]] = {}
 
     # ---- paths ------------------------------------------------------------------------------
     def job_dir(self, name: str, *parts: str) -> str:
@@ -174,7 +184,41 @@ class Controller:
             job = self._get(name)
             if job.phase in TERMINAL:
                 return
-            self.store.update_job(name, hints=hints, hints_time=time.time())
+            now = time.time()
+            self.store.update_job(name, hints=hints, hints_time=now)
+            self.store.add_sample(
+                name,
+                SampleRecord(
+                    now,
+                    len(job.allocation),
+                    hints.get("batchSize"),
+                    hints.get("gain"),
+                    hints.get("goodput"),
+                    hints.get("throughput"),
+                ),
+            )
+
+    def speedup(self, job: JobRecord) -> float | None:
+        """The job's speedup at its current allocation, from the goodput model it posted (None
+        without a model or an allocation). Cached per job and recomputed only when its hints
+        or its allocation change: a listing of a thousand jobs must not refit a thousand
+        models."""
+        if not job.hints or not job.allocation:
+            return None
+        key = (job.hints_time, tuple(sorted(job.allocation)))
+        cached = self._speedups.get(job.name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        value = None
+        capacity = self.capacity
+        fn = speedup_from_hints(job.hints, len(capacity), sum(capacity.values()))
+        if fn is not None:
+            try:
+                value = float(fn(len(set(job.allocation)), len(job.allocation)))
+            except (ValueError, RuntimeError, ZeroDivisionError):  # e.g. beyond a shrunk cluster
+                value = None
+        self._speedups[job.name] = (key, value)
+        return value
 
     def _get(self, name: str) -> JobRecord:
         job = self.store.job(name)
@@ -223,6 +267,10 @@ class Controller:
         failed = [(r.rank, c) for r, c in zip(records, codes) if c not in (None, 0, STOPPED)]
         stopped = [r.rank for r, c in zip(records, codes) if c == STOPPED]
         if job.phase in ("Starting", "Running"):
+            lost = self._lost_nodes(records, codes)
+            if lost:  # not the job's fault: no failure recorded
+                self._stop(job, target=None, why=f"node(s) {', '.join(lost)} left the cluster")
+                return
             if failed:
                 rank, code = failed[0]
                 why = "vanished (its launcher was killed)" if code == LOST else f"exited {code}"
@@ -246,6 +294,10 @@ class Controller:
             return
         # Stopping
         if any(c is None for c in codes):
+            if job.name not in self._cut_short and self._lost_nodes(records, codes):
+                self._cut_short.add(job.name)
+                soon = now + min(self.config.grace, NODE_LOSS_GRACE)
+                self._stop_deadline[job.name] = min(self._stop_deadline.get(job.name, soon), soon)
             if now >= self._stop_deadline.get(job.name, now + 1):
                 for rec, code in zip(records, codes):
                     if code is None:
@@ -256,7 +308,24 @@ class Controller:
                 self._stop_deadline[job.name] = now + 3600.0
             return
         self._stop_deadline.pop(job.name, None)
+        self.store.add_sample(job.name, SampleRecord(now, 0))  # its allocation's end, charted
+        self._cut_short.discard(job.name)
         failure = self._failure.pop(job.name, None) or job.reason
+        lost = self._lost_nodes(records, codes)
+        if lost and not job.cancel and not (codes and all(c == 0 for c in codes)):
+            # its node left (a failure or a drain): a replica that crashed as its peers
+            # vanished is no fault of the job's either; on what remains, at once
+            self.store.update_job(
+                job.name, phase="Pending", allocation=[], target=None, reason=None
+            )
+            self.store.add_event(
+                job.name,
+                "NodeLost",
+                f"node(s) {', '.join(lost)} left: restarting from its last checkpoint on the "
+                "remaining nodes (not counted against its restart budget)",
+            )
+            self._place_repaired(self.store.job(job.name), records)
+            return
         if job.cancel:
             self._finish(job, "Cancelled", "adaptrain delete")
         elif failure is not None:
@@ -287,6 +356,36 @@ class Controller:
             if job.target:
                 self._start_if_free(self.store.job(job.name))
 
+    def _place_repaired(self, job: JobRecord, records) -> None:
+        """A job that lost a node, at once: its replicas on the nodes that remain where they
+        were, the lost ones on free slots (its own nodes first, then those with the most free),
+        as many as fit if at least ``min_replicas`` do; else as an arrival (the policy's
+        ``allocate_job``), or at the next round. Pinned for ``rescale_rounds`` rounds."""
+        free = self._free()
+        alloc = []
+        for rec in records:
+            if free.get(rec.node, 0) > 0:
+                free[rec.node] -= 1
+                alloc.append(rec.node)
+        for _ in range(len(records) - len(alloc)):
+            spare = [n for n, k in free.items() if k > 0]
+            if not spare:
+                break
+            node = min(spare, key=lambda n: (n not in alloc, -free[n], n))
+            free[node] -= 1
+            alloc.append(node)
+        if alloc and len(alloc) >= int(job.spec.get("min_replicas", 1)):
+            self.store.update_job(job.name, target=alloc, rescaled_round=self.round)
+            self._start_if_free(self.store.job(job.name))
+        else:
+            self._place_arrival(job)
+
+    def _lost_nodes(self, records, codes: list[int | None]) -> list[str]:
+        """The nodes that left the cluster (gone from the backend's nodes) with a replica of
+        these records that ended :data:`LOST`."""
+        nodes = self.backend.nodes
+        return sorted({r.node for r, c in zip(records, codes) if c == LOST and r.node not in nodes})
+
     def _finish(self, job: JobRecord, phase: str, reason: str | None) -> None:
         self.store.update_job(
             job.name, phase=phase, reason=reason, finished=time.time(), allocation=[], target=None
@@ -297,7 +396,8 @@ class Controller:
     # ---- starting and stopping ------------------------------------------------------------------
     def _used(self, exclude: str | None = None) -> dict[str, Counter]:
         """Slots held per node: by live replicas, and reserved by pending jobs' targets."""
-        used = {n: Counter() for n in self.backend.nodes}
+        # (a node may have left while replicas or targets still name it)
+        used: dict[str, Counter] = defaultdict(Counter, {n: Counter() for n in self.backend.nodes})
         for job in self.store.jobs(ACTIVE):
             if job.name == exclude:
                 continue
@@ -321,6 +421,10 @@ class Controller:
     def _start_if_free(self, job: JobRecord) -> None:
         """Launch a pending job on its target once every slot of it is free (jobs that shrink
         or move release theirs as they exit)."""
+        if any(n not in self.backend.nodes for n in job.target or ()):  # a node left
+            self.store.update_job(job.name, target=None)
+            self._place_arrival(self.store.job(job.name))
+            return
         free = self._free(exclude=job.name)
         need = Counter(job.target or [])
         if need and all(free.get(n, 0) >= k for n, k in need.items()):
@@ -366,6 +470,7 @@ class Controller:
             started=job.started or time.time(),
         )
         self.counters["restarts" if group > 0 else "starts"] += 1
+        self.store.add_sample(job.name, SampleRecord(time.time(), len(allocation)))
         nodes = ", ".join(f"{n}x{k}" for n, k in Counter(allocation).items())
         self.store.add_event(job.name, "Started", f"group {group}: {len(allocation)} on {nodes}")
         self.pending_reason.pop(job.name, None)
@@ -416,22 +521,39 @@ class Controller:
         t0 = time.perf_counter()
         now = time.time()
         self.round += 1
+        self.store.add_round(
+            now, self.round, sum(self.capacity.values()), self.store.live_replicas()
+        )
+        capacity = dict(self.capacity)
+        # running on a node that left: the tick restarts it on what remains (not this round)
+        stranded = {
+            j.name
+            for j in self.store.jobs(("Starting", "Running"))
+            if any(n not in capacity for n in j.allocation)
+        }
         jobs = {
             j.name: j
             for j in self.store.jobs(ACTIVE)
-            if not j.cancel and not (j.phase == "Stopping" and not j.target)
+            if not j.cancel
+            and not (j.phase == "Stopping" and not j.target)
+            and j.name not in stranded
         }
-        stopping_idle = [j for j in self.store.jobs(("Stopping",)) if not j.target]
-        capacity = dict(self.capacity)
-        for j in stopping_idle:  # failing or cancelled: their slots are busy until they exit
+        stopping_idle = [
+            j
+            for j in self.store.jobs(ACTIVE)
+            if (j.phase == "Stopping" and not j.target) or j.name in stranded
+        ]
+        for j in stopping_idle:  # failing, cancelled or stranded: slots busy until they exit
             for node in j.allocation:
-                capacity[node] -= 1
+                if node in capacity:  # (a node that left frees nothing)
+                    capacity[node] -= 1
         if not jobs:
             self.round_seconds.append(time.perf_counter() - t0)
             return
         infos, base = {}, {}
         for name, job in jobs.items():
             held = job.target if job.phase in ("Stopping", "Pending") else job.allocation
+            held = [n for n in held or () if n in capacity]  # not on nodes that left
             if held:
                 base[name] = list(held)
             infos[name] = self._info(job, now)

@@ -17,7 +17,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "JobRecord", "ReplicaRecord", "Store"]
+__all__ = [
+    "MIGRATIONS",
+    "ROUNDS_KEPT",
+    "SAMPLES_PER_JOB",
+    "SCHEMA_VERSION",
+    "JobRecord",
+    "ReplicaRecord",
+    "RoundRecord",
+    "SampleRecord",
+    "Store",
+]
 
 MIGRATIONS: list[str] = [
     # version 1
@@ -63,8 +73,36 @@ MIGRATIONS: list[str] = [
     CREATE INDEX events_job ON events (job, id);
     CREATE TABLE policy (id INTEGER PRIMARY KEY CHECK (id = 1), state BLOB NOT NULL);
     """,
+    # version 2: the dashboard's history, a job's hints over time and the cluster's rounds
+    """
+    CREATE TABLE samples (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        job TEXT NOT NULL,
+        time REAL NOT NULL,
+        replicas INTEGER NOT NULL,
+        batch_size INTEGER,
+        gain REAL,
+        goodput REAL,
+        throughput REAL
+    );
+    CREATE INDEX samples_job ON samples (job, id);
+    CREATE TABLE rounds (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        time REAL NOT NULL,
+        round INTEGER NOT NULL,
+        used INTEGER NOT NULL,
+        total INTEGER NOT NULL,
+        held TEXT NOT NULL
+    );
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+#: samples kept per job (the oldest go first): 16 hours of hints posted every 30 s
+SAMPLES_PER_JOB = 2000
+#: policy rounds kept (the oldest go first): a week of rounds a minute apart
+ROUNDS_KEPT = 10_000
+#: prune the history once every that many rows written (a row id multiple of it)
+_PRUNE_EVERY = 64
 
 
 @dataclass
@@ -102,6 +140,31 @@ class ReplicaRecord:
     exit_code: int | None = None
 
 
+@dataclass
+class SampleRecord:
+    """What a job reported at ``time`` (its hints), with the replicas it held then; or, the
+    rest ``None``, its replica count as its replicas started or all ended (0)."""
+
+    time: float
+    replicas: int
+    batch_size: int | None = None
+    gain: float | None = None
+    goodput: float | None = None
+    throughput: float | None = None
+
+
+@dataclass
+class RoundRecord:
+    """The cluster at the start of policy round ``round``: ``used`` of ``total`` slots held by
+    live replicas, ``held`` per job."""
+
+    time: float
+    round: int
+    used: int
+    total: int
+    held: dict[str, int] = field(default_factory=dict)
+
+
 _JOB_COLUMNS = (
     "name, spec, token, phase, reason, submitted, started, finished, grp, failures, allocation, "
     "target, hints, hints_time, attained, rescaled_round, cancel"
@@ -136,6 +199,7 @@ class Store:
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.RLock()
+        self._sample_count: dict[str, int] = {}
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -321,3 +385,66 @@ class Store:
         with self._lock:
             row = self._db.execute("SELECT state FROM policy WHERE id = 1").fetchone()
         return None if row is None else pickle.loads(row[0])
+
+    # ---- the dashboard's history ------------------------------------------------------------
+    def add_sample(self, job: str, sample: SampleRecord, keep: int = SAMPLES_PER_JOB) -> None:
+        """Append a sample of job ``job``; beyond ``keep`` samples the oldest go."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO samples (job, time, replicas, batch_size, gain, goodput, throughput)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job,
+                    sample.time,
+                    sample.replicas,
+                    sample.batch_size,
+                    sample.gain,
+                    sample.goodput,
+                    sample.throughput,
+                ),
+            )
+            # pruned once every _PRUNE_EVERY of the job's own samples (ids are shared by all
+            # jobs: a rule on them could skip one job for ever)
+            count = self._sample_count.get(job, 0) + 1
+            self._sample_count[job] = count
+            if count % _PRUNE_EVERY == 0 or keep < _PRUNE_EVERY:
+                db.execute(
+                    "DELETE FROM samples WHERE job = ? AND id <= (SELECT id FROM samples "
+                    "WHERE job = ? ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                    (job, job, keep),
+                )
+
+    def samples(
+        self, job: str, since: float | None = None, limit: int = SAMPLES_PER_JOB
+    ) -> list[SampleRecord]:
+        """Job ``job``'s last ``limit`` samples (after time ``since``), oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT time, replicas, batch_size, gain, goodput, throughput FROM (SELECT * "
+                "FROM samples WHERE job = ? AND time > ? ORDER BY id DESC LIMIT ?) ORDER BY id",
+                (job, -1.0 if since is None else since, limit),
+            ).fetchall()
+        return [SampleRecord(*r) for r in rows]
+
+    def add_round(
+        self, when: float, round_: int, total: int, held: dict[str, int], keep: int = ROUNDS_KEPT
+    ) -> None:
+        """Append the cluster's use at a policy round; beyond ``keep`` rounds the oldest go."""
+        held = {k: int(v) for k, v in held.items() if v > 0}
+        with self.transaction() as db:
+            cur = db.execute(
+                "INSERT INTO rounds (time, round, used, total, held) VALUES (?, ?, ?, ?, ?)",
+                (when, round_, sum(held.values()), total, json.dumps(held, sort_keys=True)),
+            )
+            if cur.lastrowid % _PRUNE_EVERY == 0 or keep < _PRUNE_EVERY:
+                db.execute("DELETE FROM rounds WHERE id <= ?", (cur.lastrowid - keep,))
+
+    def rounds(self, since: float | None = None, limit: int = ROUNDS_KEPT) -> list[RoundRecord]:
+        """The last ``limit`` rounds recorded (after time ``since``), oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT time, round, used, total, held FROM (SELECT * FROM rounds WHERE time > ? "
+                "ORDER BY id DESC LIMIT ?) ORDER BY id",
+                (-1.0 if since is None else since, limit),
+            ).fetchall()
+        return [RoundRecord(t, r, u, n, json.loads(h)) for t, r, u, n, h in rows]
