@@ -40,6 +40,7 @@ def test_the_code_keeps_every_layer_contract(tmp_path):
         ("sched/jobs.py", "import torch", "sched, sim and the service import neither torch"),
         ("core/scaling.py", "import adaptrain.sched", "core imports nothing"),
         ("dist/spawn.py", "import adaptrain.sim", "nothing but the CLI imports sim"),
+        ("service/api.py", "import adaptrain.ray.backend", "Layers: cli over ray over service"),
     ],
 )
 def test_an_import_across_the_layers_is_caught(tmp_path, module, line, contract):

@@ -19,9 +19,11 @@ import os
 __all__ = [
     "adaptdl_sched_version",
     "adaptrain_sched_version",
+    "aws_metadata_url",
     "checkpoint_interval",
     "checkpoint_path",
     "from_ray",
+    "gcp_metadata_url",
     "hints_interval",
     "job_id",
     "job_token",
@@ -292,3 +294,17 @@ def server_url() -> str | None:
 def server_token() -> str | None:
     """The service's token for the CLI (``ADAPTRAIN_TOKEN``), or None."""
     return _get("ADAPTRAIN_TOKEN")
+
+
+def aws_metadata_url() -> str:
+    """Base URL of the AWS instance metadata service (``ADAPTRAIN_AWS_METADATA_URL``), default
+    ``http://169.254.169.254``: where ``adaptrain ray submit`` watches for spot interruption
+    notices (IMDSv2) on each node."""
+    return (_get("ADAPTRAIN_AWS_METADATA_URL") or "http://169.254.169.254").rstrip("/")
+
+
+def gcp_metadata_url() -> str:
+    """Base URL of the GCP metadata server (``ADAPTRAIN_GCP_METADATA_URL``), default
+    ``http://169.254.169.254`` (``metadata.google.internal``'s address, with no name lookup):
+    where ``adaptrain ray submit`` watches for preemption on each node."""
+    return (_get("ADAPTRAIN_GCP_METADATA_URL") or "http://169.254.169.254").rstrip("/")

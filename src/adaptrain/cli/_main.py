@@ -25,6 +25,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("cp", "adaptrain.cli.cp", "copy a file out of a job's share folder"),
     ("delete", "adaptrain.cli.delete", "cancel a job"),
     ("tensorboard", "adaptrain.cli.tensorboard", "TensorBoard over every job's logs"),
+    ("ray", "adaptrain.cli.ray", "run one elastic job on a Ray cluster (ray submit)"),
 ]
 
 
