@@ -1,4 +1,8 @@
-"""``adaptrain server``: run the scheduler service in the foreground until SIGINT/SIGTERM."""
+"""``adaptrain server``: run the scheduler service in the foreground until SIGINT/SIGTERM.
+
+``--backend local`` (the default) runs the replicas on this machine; ``--backend ray`` on the
+nodes of a Ray cluster (``--ray-address``), whose state directory every node must see.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import sys
 from ._client import DEFAULT_PORT, read_token_file
 
 NAME = "server"
-HELP = "run the scheduler service: many elastic jobs on this machine's GPUs or CPU slots"
+HELP = "run the scheduler service: many elastic jobs on this machine's or a Ray cluster's slots"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +21,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="port (0: any free port)")
     parser.add_argument("--state-dir", default="adaptrain-state", help="jobs, logs, checkpoints")
+    parser.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="ray: the nodes and GPUs (or CPUs) of a Ray cluster; needs pip install adaptrain[ray]",
+    )
+    parser.add_argument(
+        "--ray-address",
+        help="the Ray cluster to join (default: RAY_ADDRESS, else a cluster running here)",
+    )
     parser.add_argument("--slots", type=int, help="CPU slots (default: the GPUs, else the cores)")
     parser.add_argument("--nodes", type=int, help="emulate this many nodes on this machine")
     parser.add_argument("--slots-per-node", type=int, help="slots of each emulated node")
@@ -56,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from adaptrain.service.local import make_nodes
     from adaptrain.service.server import Server
 
+    backend = None
     try:
         token = read_token_file(args.token_file) if args.token_file else None
         config = ServerConfig(
@@ -73,14 +88,61 @@ def run(args: argparse.Namespace) -> int:
             hints_interval=args.hints_interval,
             orphan_timeout=args.orphan_timeout,
         )
-        nodes = make_nodes(args.slots, args.nodes, args.slots_per_node)
-        server = Server(config, nodes)
-    except (ValueError, RuntimeError, OSError) as exc:
+        if args.backend == "local":
+            if args.ray_address:
+                raise ValueError("--ray-address goes with --backend ray")
+            server = Server(config, make_nodes(args.slots, args.nodes, args.slots_per_node))
+        else:
+            if args.slots is not None or args.nodes is not None or args.slots_per_node:
+                raise ValueError(
+                    "--slots, --nodes and --slots-per-node are the local backend's: with "
+                    "--backend ray the cluster's nodes are Ray's"
+                )
+            backend = _ray_backend(config, args.ray_address)
+            try:
+                server = Server(config, backend=backend)
+            except BaseException:
+                backend.close()
+                raise
+    except (ValueError, RuntimeError, OSError, ImportError) as exc:
         print(f"adaptrain server: {exc}", file=sys.stderr)
         return 2
+    nodes = server.controller.backend.nodes.values()
     slots = ", ".join(f"{n.name}: {len(n.slots)}" for n in nodes)
+    where = "Ray nodes " if backend is not None else ""
     print(
-        f"adaptrain server: {config.policy} policy every {config.interval:g} s on {slots}",
+        f"adaptrain server: {config.policy} policy every {config.interval:g} s on {where}{slots}",
         flush=True,
     )
-    return server.run_until_signalled()
+    try:
+        return server.run_until_signalled()
+    finally:
+        if backend is not None:
+            backend.close()
+
+
+def _ray_backend(config, address: str | None):
+    """The Ray backend for ``config``'s state directory, once no other server holds it (its
+    agents are named after it, and a second server would take over the first one's)."""
+    import fcntl
+    import os
+
+    from adaptrain.service.server import Server
+
+    os.makedirs(config.state_dir, exist_ok=True)
+    with open(os.path.join(config.state_dir, "server.lock"), "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise RuntimeError(
+                f"another adaptrain server runs on state directory {config.state_dir!r}"
+            ) from None
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    from adaptrain.ray.backend import RayBackend
+
+    return RayBackend(
+        Server.runs_dir(config),
+        address,
+        key=config.state_dir,
+        orphan_timeout=config.orphan_timeout,
+    )
