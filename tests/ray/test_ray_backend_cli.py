@@ -1,6 +1,7 @@
 """``adaptrain server --backend ray``'s flags, without a cluster: Ray missing says how to
-install it, and the local backend's flags are refused with it (and ``--ray-address`` without
-it). Each case is a real ``adaptrain`` process; none starts a server."""
+install it, an address where no cluster answers is an error at once, and the local backend's
+flags are refused with it (and ``--ray-address`` without it). Each case is a real
+``adaptrain`` process; none starts a server."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def test_backend_choices_are_validated(tmp_path):
     proc = _server(tmp_path, "--backend", "kubernetes")
     assert proc.returncode == 2
     assert "invalid choice" in proc.stderr and "'ray'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_an_address_where_no_cluster_answers_is_an_error_at_once(tmp_path):
+    pytest.importorskip("ray", reason="needs `pip install adaptrain[ray]`")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _server(tmp_path, "--backend", "ray", "--ray-address", f"127.0.0.1:{port}")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert f"no Ray cluster answers at 127.0.0.1:{port}" in proc.stderr, proc.stderr

@@ -25,7 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         choices=("local", "ray"),
         default="local",
-        help="ray: the nodes and GPUs (or CPUs) of a Ray cluster; needs pip install adaptrain[ray]",
+        help="ray: the nodes and GPUs (or CPUs) of a Ray cluster, with --state-dir on a "
+        "filesystem every node sees; needs pip install adaptrain[ray]",
     )
     parser.add_argument(
         "--ray-address",

@@ -38,6 +38,7 @@ import hashlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter
@@ -69,6 +70,24 @@ def import_ray():
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
     return ray
+
+
+def _check_reachable(address: str | None, timeout: float = 5.0) -> None:
+    """A ConnectionError at once if nothing listens at a ``HOST:PORT`` address (``ray.init``
+    would retry for minutes); other forms (``auto``, ``ray://``, none) are left to Ray."""
+    if not address or "://" in address or address in ("auto", "local") or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except ValueError:
+        return
+    except OSError as exc:
+        raise ConnectionError(
+            f"no Ray cluster answers at {address} ({exc}); start one with `ray start --head` "
+            "or give its address (--ray-address HOST:PORT, the GCS port: 6379 by default)"
+        ) from None
 
 
 @dataclass
@@ -118,6 +137,7 @@ class RayBackend:
         self.placement_timeout = placement_timeout
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
+            _check_reachable(address)
             ray.init(
                 address=address,
                 namespace=self.namespace,
