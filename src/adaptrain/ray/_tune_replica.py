@@ -6,7 +6,8 @@ with the ``ADAPTRAIN_*`` variables of its rank, and ``PAYLOAD`` a pickle (cloudp
 :func:`adaptrain.torch.init_process_group` (which also picks the checkpoint to resume from) and
 calls ``function(config)``, as AdaptDL's trainable did. A SIGTERM stops it the adaptrain way:
 at the next step boundary every replica checkpoints and exits with 143. It ends with its host
-(``PARENT``): it is sent SIGTERM, and SIGKILL a minute later if still alive.
+(``PARENT``): it is sent SIGTERM, and SIGKILL 10 s later if still alive (without its host
+no checkpoint reaches Tune, and its peers may be gone from the collective it waits in).
 
 Nothing here imports Ray: a replica pays for torch and adaptrain only.
 """
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     payload, parent = args[0], int(args[1])
     from adaptrain.procs import die_with_parent
 
-    die_with_parent(parent, kill_after=60.0)
+    die_with_parent(parent, kill_after=10.0)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     with open(payload, "rb") as f:
         function, config, backend = pickle.load(f)  # noqa: S301 - written by the trial's host

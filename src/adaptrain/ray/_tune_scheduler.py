@@ -379,21 +379,26 @@ class AdaptiveTrialScheduler(FIFOScheduler):
             state.resized_at = now_wall
 
     def _info(self, state: _TrialState, running: bool, now: float, total: int) -> JobInfo:
+        """The trial as the policy sees it. A running trial whose hints hold no goodput model
+        yet (its first steps) keeps its size: a resize costs a restart, and nothing but the
+        policy's prior would decide it."""
         cooldown = state.resized_at is not None and now - state.resized_at < self.cooldown
         spec = {
             "min_replicas": self.min_replicas,
             "max_replicas": min(self.max_replicas or total, total),
             "preemptible": True,
         }
-        report = job_report(
-            submitted=state.added,
-            attained_service=state.attained,
-            spec=spec,
-            group=state.restarts,
-            hints=state.hints,
-            running=running,
-            cooldown=cooldown,
-            max_nodes=len(self._slots),
-            max_replicas=total,
-        )
+        args = {
+            "submitted": state.added,
+            "attained_service": state.attained,
+            "group": state.restarts,
+            "hints": state.hints,
+            "running": running,
+            "max_nodes": len(self._slots),
+            "max_replicas": total,
+        }
+        report = job_report(spec=spec, cooldown=cooldown, **args)
+        if running and report.speedup_fn is None:  # no goodput model: pinned where it is
+            pinned = {"min_replicas": state.replicas, "max_replicas": state.replicas}
+            report = job_report(spec=pinned, cooldown=True, **args)
         return job_info(report, cluster_replicas=total, now=now)
