@@ -66,6 +66,9 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_service import _event, _median_row, _read_json, _wait  # noqa: E402  (the service bench's helpers)
+
 SRC = os.path.join(HERE, "..", "src")
 HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
@@ -130,36 +133,6 @@ def stop_server(proc: subprocess.Popen, state: str) -> None:
         if "adaptrain.service.launcher" in cmd and any(state in c for c in cmd):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(os.getpgid(p.pid), signal.SIGKILL)
-
-
-def _wait(predicate, timeout: float, what: str, step: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise RuntimeError(f"timed out after {timeout:g} s waiting for {what}")
-
-
-def _read_json(path: str) -> dict | None:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _event(detail: dict, kind: str, after: float, contains: str = "") -> float | None:
-    for e in detail["events"]:
-        if e["kind"] == kind and e["time"] >= after and contains in e["message"]:
-            return e["time"]
-    return None
-
-
-def _median_row(label: str, values: list[float]) -> str:
-    each = ", ".join(f"{v:.2f}" for v in values)
-    return f"  {label:<48} {statistics.median(values):6.2f} s   ({each})"
 
 
 # ---- node loss ---------------------------------------------------------------------------------

@@ -27,10 +27,13 @@ HEALTH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
 @contextlib.contextmanager
 def local_ray_cluster(
-    workers: Sequence[dict] = ({"num_cpus": 2}, {"num_cpus": 2}), connect: bool = True
+    workers: Sequence[dict] = ({"num_cpus": 2}, {"num_cpus": 2}),
+    connect: bool = True,
+    head_args: dict | None = None,
 ) -> Iterator[Cluster]:
-    """A head with 0 CPUs and one worker node per entry of ``workers`` (``add_node``'s keyword
-    arguments); the driver connected when ``connect``. Shut down on exit, whatever happened."""
+    """A head with 0 CPUs (and ``head_args`` added to its ``add_node`` arguments) and one
+    worker node per entry of ``workers``; the driver connected when ``connect``. Shut down on
+    exit, whatever happened."""
     # a short folder: Ray's unix sockets live under it, and their paths are limited to 107 bytes
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
     old_tmp = os.environ.get("RAY_TMPDIR")
@@ -44,6 +47,7 @@ def local_ray_cluster(
                 "node_ip_address": "127.0.0.1",
                 "include_dashboard": False,
                 "_system_config": HEALTH,
+                **(head_args or {}),
             },
         )
         for args in workers:

@@ -5,17 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import pytest
 from _launcher_jobs import COUNT, kill_leftovers, leftover_processes, records, write_job
-from _ray_cluster import HEALTH, add_worker, local_ray_cluster  # before ray
+from _ray_cluster import local_ray_cluster  # before ray
 
 
 def submit(*args: str, **kw) -> subprocess.Popen:
@@ -99,37 +97,13 @@ def test_sigterm_checkpoints_and_a_rerun_resumes_from_the_checkpoint_dir(tmp_pat
 @contextlib.contextmanager
 def client_server_cluster():
     """A head (0 CPUs) with a Ray Client server and one 1-CPU worker; its ``ray://`` URL."""
-    from ray.cluster_utils import Cluster
-
-    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = tmp
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cluster = None
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "node_ip_address": "127.0.0.1",
-                "include_dashboard": False,
-                "ray_client_server_port": port,
-                "_system_config": HEALTH,
-            },
-        )
-        add_worker(cluster, num_cpus=1)
-        cluster.wait_for_nodes()
+    with local_ray_cluster(
+        [{"num_cpus": 1}], connect=False, head_args={"ray_client_server_port": port}
+    ):
         yield f"ray://127.0.0.1:{port}"
-    finally:
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
 
 
 @pytest.mark.slow
