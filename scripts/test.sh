@@ -8,4 +8,4 @@ python3 -m pip install -q -e ".[test,ray]"
 python3 -m pip install -q --no-deps fairscale==0.4.13 || echo "fairscale unavailable: its cross-checks will skip"
 ruff check src tests benchmarks examples
 lint-imports  # the layer rule: .importlinter
-python3 -m pytest -q "$@"
+python3 -m pytest -q --durations=30 "$@"

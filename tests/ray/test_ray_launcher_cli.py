@@ -3,7 +3,7 @@ status 143) and a rerun that resumes from ``--checkpoint-dir``."""
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import os
 import signal
 import socket
@@ -94,8 +94,8 @@ def test_sigterm_checkpoints_and_a_rerun_resumes_from_the_checkpoint_dir(tmp_pat
     assert not leftover_processes(str(tmp_path))
 
 
-@contextlib.contextmanager
-def client_server_cluster():
+@pytest.fixture(scope="module")
+def client_url():
     """A head (0 CPUs) with a Ray Client server and one 1-CPU worker; its ``ray://`` URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,25 +108,53 @@ def client_server_cluster():
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_submit_through_ray_client(tmp_path):
+def test_submit_through_ray_client(tmp_path, client_url):
     """``-u ray://HOST:PORT``: the driver has no GCS connection of its own; the autoscaler
     request and the drain poll go through tasks on the cluster."""
     code = write_job(str(tmp_path / "wd"), "count.py", COUNT)
     log = str(tmp_path / "events.jsonl")
     proc = None
     try:
-        with client_server_cluster() as url:
-            proc = submit("-u", url, "-f", code, "-m", "1", "--spot", "off",
-                          "-e", f"LAUNCHER_TEST_LOG={log}", "--",
-                          "--steps", "8", "--delay", "0.1", "--tag", str(tmp_path))  # fmt: skip
-            out, _ = proc.communicate(timeout=150)
-            assert proc.returncode == 0, out[-3000:]
-            assert "asked the autoscaler for 1 x {'CPU': 1.0}" in out
-            assert "job finished" in out
-            assert max(r["step"] for r in records(log, "step")) == 8
+        proc = submit("-u", client_url, "-f", code, "-m", "1", "--spot", "off",
+                      "-e", f"LAUNCHER_TEST_LOG={log}", "--",
+                      "--steps", "8", "--delay", "0.1", "--tag", str(tmp_path))  # fmt: skip
+        out, _ = proc.communicate(timeout=150)
+        assert proc.returncode == 0, out[-3000:]
+        assert "asked the autoscaler for 1 x {'CPU': 1.0}" in out
+        assert "job finished" in out
+        assert max(r["step"] for r in records(log, "step")) == 8
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
         kill_leftovers(str(tmp_path))
     assert not leftover_processes(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_client_server_that_cannot_start_the_driver_is_asked_again_then_reported(
+    client_url, monkeypatch, caplog
+):
+    """The cluster's client server answers but fails to start this driver's server process
+    (here because the driver's runtime env names a conda env that does not exist): the
+    command's connect warns and tries again, up to its limit (2 here: each failure takes Ray
+    about 30 s), then raises the server's error."""
+    import ray
+
+    from adaptrain.cli import ray as cli_ray
+
+    monkeypatch.setattr(cli_ray, "CLIENT_RETRY_DELAY", 0.1)
+    monkeypatch.setattr(cli_ray, "CLIENT_TRIES", 2)
+    bad = {"conda": "no-such-env-xyz"}
+    with caplog.at_level(logging.WARNING, logger="adaptrain.ray"):
+        with pytest.raises(ConnectionError, match="Initialization failure from server"):
+            cli_ray._connect(ray, client_url, runtime_env=bad)
+    tries = [r.getMessage() for r in caplog.records if "failed to start" in r.getMessage()]
+    assert [t[t.index("(try") :] for t in tries] == ["(try 1 of 2): trying again in 0.1 s"], tries
+    assert not ray.is_initialized()
+    cli_ray._connect(ray, client_url)  # the same cluster, a driver it can start: connects
+    try:
+        assert ray.get(ray.remote(lambda: 6 * 7).remote()) == 42
+    finally:
+        ray.shutdown()

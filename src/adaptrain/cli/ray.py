@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 NAME = "ray"
 HELP = "run one elastic job on a Ray cluster (adaptrain ray submit -f code.py -m N -- ARGS)"
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     # Ray's driver installs its own SIGTERM handler (exit at once) when it connects: connect
     # first, then take SIGTERM back
     try:
-        ray.init(address=args.address)
+        _connect(ray, args.address)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         return _fail(f"cannot connect to the Ray cluster {args.address or '(default)'}: {exc}", 1)
     previous = signal.signal(signal.SIGTERM, terminate)
@@ -140,3 +141,32 @@ def run(args: argparse.Namespace) -> int:
         code = 128 + signal.SIGTERM
     print(f"adaptrain ray: job {launcher.name} ended with status {code}", file=sys.stderr)
     return code
+
+
+# a Ray Client server that answered but could not start this driver's own server process (a
+# transient failure on a loaded head): asked again this many times, this many seconds apart
+CLIENT_TRIES = 3
+CLIENT_RETRY_DELAY = 2.0
+
+
+def _connect(ray, address: str | None, **init_kwargs) -> None:
+    """``ray.init(address, **init_kwargs)``; through Ray Client, tried again when the cluster's
+    client server answered with an initialization failure (a cluster that does not answer
+    fails at once)."""
+    log = logging.getLogger("adaptrain.ray")
+    for attempt in range(1, CLIENT_TRIES + 1):
+        try:
+            ray.init(address=address, **init_kwargs)
+            return
+        except (ConnectionError, RuntimeError) as exc:
+            transient = "Initialization failure from server" in str(exc)
+            if not (address or "").startswith("ray://") or not transient or attempt == CLIENT_TRIES:
+                raise
+            log.warning(
+                "the Ray Client server at %s failed to start this driver's server "
+                "(try %d of %d): trying again in %g s",
+                address, attempt, CLIENT_TRIES, CLIENT_RETRY_DELAY,
+            )  # fmt: skip
+            if ray.is_initialized():
+                ray.shutdown()
+            time.sleep(CLIENT_RETRY_DELAY)
