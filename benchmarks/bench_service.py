@@ -1,13 +1,16 @@
 """The scheduler service's control plane at scale: many jobs, many slots, one server.
 
     python benchmarks/bench_service.py control [--jobs 1000] [--nodes 16] [--slots-per-node 4]
-                                               [--rounds 5] [--ls 200]
+                                               [--rounds 5] [--ls 200] [--repeat 2]
 
 starts a real ``adaptrain server`` (its default waterfill policy, emulated nodes), submits
 ``--jobs`` jobs over HTTP (each a ``sleep``, so that only the control plane is measured),
 waits for ``--rounds`` policy rounds with every job known, and reports the policy round's time
 (median and largest, from ``/metrics``) and the latency of ``GET /jobs`` (what ``adaptrain ls
 --json`` reads), median and p99 over ``--ls`` calls; goals: a round <= 1 s, ls p99 <= 50 ms.
+Each of ``--repeat`` repetitions runs two servers one after the other: the policy's rounds in
+their worker process (the default) and, as the reference, in the server's process
+(``--policy-in-process``), where they hold the interpreter lock the API needs.
 
     python benchmarks/bench_service.py startup [--repeat 5]
 
@@ -388,13 +391,19 @@ def rescale(args: argparse.Namespace) -> None:
             print(_median_row(k, v))
 
 
-def control(args: argparse.Namespace) -> None:
+#: the control benchmark's two ways to run the policy: its own process (the default) and the
+#: server's (the reference)
+CONTROL_MODES = {"worker process": [], "in the server's process": ["--policy-in-process"]}
+
+
+def _control_once(args: argparse.Namespace, extra: list[str]) -> tuple[float, list, list]:
+    """One server: the submit time, the rounds' seconds and the ``GET /jobs`` latencies."""
     with tempfile.TemporaryDirectory() as tmp:
         state = os.path.join(tmp, "state")
         proc, url = start_server(
             state,
             ["--nodes", str(args.nodes), "--slots-per-node", str(args.slots_per_node),
-             "--interval", str(args.interval), "--grace", "5"],
+             "--interval", str(args.interval), "--grace", "5", *extra],
         )  # fmt: skip
         try:
             with httpx.Client(base_url=url, timeout=60) as http:
@@ -416,27 +425,48 @@ def control(args: argparse.Namespace) -> None:
                     t = time.perf_counter()
                     http.get("/jobs").raise_for_status()
                     latencies.append(time.perf_counter() - t)
-            latencies.sort()
-            p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))]
-            slots = args.nodes * args.slots_per_node
-            print(f"{args.jobs} jobs on {slots} slots ({args.nodes} emulated nodes), waterfill")
-            print(
-                f"submit: {submit_s:.1f} s for {args.jobs} jobs ({1e3 * submit_s / args.jobs:.1f} ms each)"
-            )
-            print(
-                f"policy round: median {statistics.median(rounds):.3f} s, max {max(rounds):.3f} s "
-                f"over {len(rounds)} rounds (goal <= 1 s)"
-            )
-            print(
-                f"GET /jobs ({args.jobs} rows): median {1e3 * statistics.median(latencies):.1f} ms, "
-                f"p99 {1e3 * p99:.1f} ms over {len(latencies)} calls (goal p99 <= 50 ms)"
-            )
+            return submit_s, rounds, latencies
         finally:
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _p99(values: list[float]) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def control(args: argparse.Namespace) -> None:
+    slots = args.nodes * args.slots_per_node
+    print(f"{args.jobs} jobs on {slots} slots ({args.nodes} emulated nodes), waterfill, rounds "
+          f"every {args.interval:g} s; {args.repeat} server(s) per mode, alternating")  # fmt: skip
+    runs: dict[str, list[tuple[float, list, list]]] = {mode: [] for mode in CONTROL_MODES}
+    for rep in range(args.repeat):
+        for mode, extra in CONTROL_MODES.items():
+            submit_s, rounds, latencies = _control_once(args, extra)
+            runs[mode].append((submit_s, rounds, latencies))
+            print(
+                f"  [{rep + 1}] policy in {mode:<24} submit {1e3 * submit_s / args.jobs:4.1f} ms/job"
+                f"  round median {statistics.median(rounds):.3f} s"
+                f"  GET /jobs median {1e3 * statistics.median(latencies):5.1f} ms"
+                f"  p99 {1e3 * _p99(latencies):6.1f} ms"
+            )
+    p99s = {}
+    for mode, got in runs.items():
+        rounds = [r for _, rs, _ in got for r in rs]
+        latencies = [x for _, _, ls in got for x in ls]
+        p99s[mode] = _p99(latencies)
+        print(
+            f"policy in {mode}: round median {statistics.median(rounds):.3f} s, max "
+            f"{max(rounds):.3f} s over {len(rounds)} rounds (goal <= 1 s); GET /jobs "
+            f"({args.jobs} rows) median {1e3 * statistics.median(latencies):.1f} ms, p99 "
+            f"{1e3 * p99s[mode]:.1f} ms over {len(latencies)} calls (goal p99 <= 50 ms)"
+        )
+    worker, local = p99s.values()
+    print(f"GET /jobs p99, worker process / in the server's process: {worker / local:.2f}x")
 
 
 DEFAULT_WORKLOAD = os.path.join(
@@ -592,6 +622,7 @@ def main() -> None:
     c.add_argument("--interval", type=float, default=5.0)
     c.add_argument("--rounds", type=int, default=5)
     c.add_argument("--ls", type=int, default=200)
+    c.add_argument("--repeat", type=int, default=2, help="servers per mode")
     s = sub.add_parser("startup", help="submit -> first step of the digits job")
     s.add_argument("--repeat", type=int, default=5)
     s.add_argument("--steps", type=int, default=3, help="steps each job trains")

@@ -60,7 +60,7 @@ def test_named_nodes_and_the_spec_bound_of_an_adaptive_job():
 def test_the_server_accepts_the_fifo_policy():
     from adaptrain.sched import ClusterSpec
     from adaptrain.service.config import ServerConfig
-    from adaptrain.service.controller import make_policy
+    from adaptrain.service.policy_process import make_policy
 
     assert ServerConfig(policy="fifo").policy == "fifo"
     assert isinstance(make_policy("fifo", ClusterSpec()), FifoPolicy)

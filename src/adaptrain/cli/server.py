@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="waterfill",
         help="fifo: a baseline, each job at its --max-replicas in submission order",
     )
+    parser.add_argument(
+        "--policy-in-process",
+        action="store_true",
+        help="run the policy's rounds in the server's process, not in a worker process",
+    )
     parser.add_argument("--token-file", help="a file holding the token every client must give")
     parser.add_argument("--max-restarts", type=int, default=3, help="default restart budget")
     parser.add_argument(
@@ -80,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             state_dir=args.state_dir,
             interval=args.interval,
             policy=args.policy,
+            policy_in_process=args.policy_in_process,
             token=token,
             max_restarts=args.max_restarts,
             rescale_rounds=args.rescale_rounds,

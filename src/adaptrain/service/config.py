@@ -28,7 +28,9 @@ class ServerConfig:
     rescale gains (a growth must repay it within a few rounds, so with a short ``interval`` a
     long delay rules growth out); ``checkpoint_interval`` / ``hints_interval``: seconds, passed
     to the replicas; ``orphan_timeout``: a replica whose server is gone that long stops;
-    ``max_body``: the largest request accepted, bytes."""
+    ``max_body``: the largest request accepted, bytes; ``policy_in_process``: the policy's
+    rounds run in the server's process rather than in a worker process of their own (see
+    :mod:`adaptrain.service.policy_process`)."""
 
     host: str = "127.0.0.1"
     port: int = 8765
@@ -45,6 +47,7 @@ class ServerConfig:
     orphan_timeout: float = 600.0
     max_body: int = 128 * 1024 * 1024
     tick: float = 0.5
+    policy_in_process: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -33,18 +33,12 @@ import time
 from collections import Counter, defaultdict
 from typing import Any
 
-from adaptrain.sched import (
-    ClusterSpec,
-    FifoPolicy,
-    NodeInfo,
-    PolluxPolicy,
-    WaterfillPolicy,
-    job_info,
-)
+from adaptrain.sched import ClusterSpec, NodeInfo, job_info
 
 from .backend import LOST, Backend
 from .config import ServerConfig
 from .models import JobSpec
+from .policy_process import PolicyProcess
 from .reports import job_report, speedup_from_hints
 from .store import JobRecord, SampleRecord, Store
 
@@ -70,14 +64,6 @@ class JobError(Exception):
         self.status = status
 
 
-def make_policy(name: str, cluster: ClusterSpec, seed: int = 0):
-    if name == "pollux":
-        return PolluxPolicy(cluster=cluster, seed=seed)
-    if name == "fifo":  # a baseline: each job at its --max-replicas, in submission order
-        return FifoPolicy()
-    return WaterfillPolicy(cluster=cluster, seed=seed)
-
-
 class Controller:
     """Owns the store, the backend and the policy; thread-safe (one lock)."""
 
@@ -91,13 +77,13 @@ class Controller:
         self.cluster = ClusterSpec(
             gpus_per_node=gpn, round_seconds=config.interval, restart_delay=config.restart_delay
         )
-        self.policy = make_policy(config.policy, self.cluster)
-        state = self.store.policy_state()
-        if state is not None:
-            try:
-                self.policy.load_state_dict(state)
-            except Exception as exc:  # noqa: BLE001 - a stale state only costs a warm start
-                logger.warning("the policy's saved state does not load (%s); starting afresh", exc)
+        # the rounds in a worker process, off the API's interpreter lock (FIFO is too cheap)
+        self.policy = PolicyProcess(
+            config.policy,
+            self.cluster,
+            self.store.policy_state(),
+            in_process=config.policy_in_process or config.policy == "fifo",
+        )
         self.lock = threading.RLock()
         self.round = 0
         self.round_seconds: list[float] = []
@@ -231,6 +217,7 @@ class Controller:
         """Tick (replicas' exits, deadlines) every ``tick`` seconds and run a policy round
         every ``interval`` seconds, until ``stop`` is set."""
         next_round = time.monotonic()
+        self.policy.start()
         while not stop.is_set():
             try:
                 with self.lock:
@@ -259,9 +246,8 @@ class Controller:
             if running and dt > 0:
                 self.store.update_job(job.name, attained=job.attained + dt * running)
             self._advance(job, records, codes, now)
-        for job in self.store.jobs(("Pending",)):
-            if job.target:
-                self._start_if_free(job)
+        for job in self.store.jobs(("Pending",), targeted=True):
+            self._start_if_free(job)
 
     def _advance(self, job: JobRecord, records, codes: list[int | None], now: float) -> None:
         failed = [(r.rank, c) for r, c in zip(records, codes) if c not in (None, 0, STOPPED)]
@@ -484,8 +470,9 @@ class Controller:
         self.store.add_event(job.name, "Stopping", why)
 
     # ---- the policy ---------------------------------------------------------------------------
-    def _info(self, job: JobRecord, now: float):
-        total = sum(self.capacity.values())
+    def _info(self, job: JobRecord, now: float, capacity: dict[str, int] | None = None):
+        capacity = self.capacity if capacity is None else capacity
+        total = sum(capacity.values())
         cooldown = (
             job.rescaled_round is not None
             and self.round - job.rescaled_round < self.config.rescale_rounds
@@ -498,7 +485,7 @@ class Controller:
             hints=job.hints,
             running=job.phase in ("Starting", "Running") or bool(job.target),
             cooldown=cooldown,
-            max_nodes=len(self.capacity),
+            max_nodes=len(capacity),
             max_replicas=total,
         )
         return job_info(report, cluster_replicas=total, now=now)
@@ -509,8 +496,7 @@ class Controller:
         if not free:
             self.pending_reason[job.name] = "every slot is taken: waiting for the next round"
             return
-        allocate = getattr(self.policy, "allocate_job", None)
-        alloc = list(allocate(self._info(job, time.time()), free) or []) if allocate else []
+        alloc = self.policy.allocate_job(self._info(job, time.time()), free)
         if alloc:
             self.store.update_job(job.name, target=alloc)
             self._start_if_free(self.store.job(job.name))
@@ -525,23 +511,23 @@ class Controller:
             now, self.round, sum(self.capacity.values()), self.store.live_replicas()
         )
         capacity = dict(self.capacity)
+        cluster = dict(capacity)  # (what _info reads: the nodes, before the busy slots go)
+        active = self.store.jobs(ACTIVE)
         # running on a node that left: the tick restarts it on what remains (not this round)
         stranded = {
             j.name
-            for j in self.store.jobs(("Starting", "Running"))
-            if any(n not in capacity for n in j.allocation)
+            for j in active
+            if j.phase in ("Starting", "Running") and any(n not in capacity for n in j.allocation)
         }
         jobs = {
             j.name: j
-            for j in self.store.jobs(ACTIVE)
+            for j in active
             if not j.cancel
             and not (j.phase == "Stopping" and not j.target)
             and j.name not in stranded
         }
         stopping_idle = [
-            j
-            for j in self.store.jobs(ACTIVE)
-            if (j.phase == "Stopping" and not j.target) or j.name in stranded
+            j for j in active if (j.phase == "Stopping" and not j.target) or j.name in stranded
         ]
         for j in stopping_idle:  # failing, cancelled or stranded: slots busy until they exit
             for node in j.allocation:
@@ -556,7 +542,7 @@ class Controller:
             held = [n for n in held or () if n in capacity]  # not on nodes that left
             if held:
                 base[name] = list(held)
-            infos[name] = self._info(job, now)
+            infos[name] = self._info(job, now, cluster)
         nodes = {n: NodeInfo(max(0, k)) for n, k in capacity.items()}
         alloc = self.policy.optimize(infos, nodes, base, now)
         for name, job in jobs.items():
@@ -564,7 +550,7 @@ class Controller:
             old = sorted(base.get(name, []))
             if new == old:
                 if not new:
-                    self.pending_reason[name] = self._why_pending(job, infos[name])
+                    self.pending_reason[name] = self._why_pending(infos[name], cluster)
                 continue
             self.counters["rescales"] += 1 if old and new else 0
             self.store.update_job(name, rescaled_round=self.round)
@@ -576,15 +562,15 @@ class Controller:
                 if new:
                     self._start_if_free(self.store.job(name))
                 else:
-                    self.pending_reason[name] = self._why_pending(job, infos[name])
+                    self.pending_reason[name] = self._why_pending(infos[name], cluster)
         try:
             self.store.save_policy_state(self.policy.state_dict())
         except Exception as exc:  # noqa: BLE001 - the state only warm-starts the next run
             logger.warning("could not save the policy's state: %s", exc)
         self.round_seconds.append(time.perf_counter() - t0)
 
-    def _why_pending(self, job: JobRecord, info) -> str:
-        total = sum(self.capacity.values())
+    def _why_pending(self, info, capacity: dict[str, int]) -> str:
+        total = sum(capacity.values())
         if info.min_replicas > total:
             return f"min_replicas={info.min_replicas} exceeds the cluster's {total} slots"
         return (
@@ -653,6 +639,7 @@ class Controller:
                         job.name, "Suspended", "server stopped: resumes on restart"
                     )
             self.store.save_policy_state(self.policy.state_dict())
+        self.policy.close()
 
 
 def _extract(data_b64: str, dest: str) -> None:

@@ -284,18 +284,22 @@ class Store:
             ).fetchone()
         return None if row is None else _job(row)
 
-    def jobs(self, phases: tuple[str, ...] | None = None) -> list[JobRecord]:
+    def jobs(
+        self, phases: tuple[str, ...] | None = None, *, targeted: bool = False
+    ) -> list[JobRecord]:
+        """The jobs in ``phases`` (all when None), oldest first; ``targeted``: only those
+        given a target allocation."""
+        where, args = [], list(phases or ())
+        if phases is not None:
+            where.append(f"phase IN ({', '.join('?' * len(phases))})")
+        if targeted:
+            where.append("target IS NOT NULL AND target != '[]'")
+        sql = f"SELECT {_JOB_COLUMNS} FROM jobs"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
         with self._lock:
-            if phases is None:
-                rows = self._db.execute(f"SELECT {_JOB_COLUMNS} FROM jobs ORDER BY submitted, name")
-            else:
-                marks = ", ".join("?" * len(phases))
-                rows = self._db.execute(
-                    f"SELECT {_JOB_COLUMNS} FROM jobs WHERE phase IN ({marks}) "
-                    "ORDER BY submitted, name",
-                    phases,
-                )
-            return [_job(r) for r in rows.fetchall()]
+            rows = self._db.execute(sql + " ORDER BY submitted, name", args).fetchall()
+        return [_job(r) for r in rows]
 
     def update_job(self, name: str, **fields: Any) -> None:
         """Set ``fields`` of job ``name`` (JSON columns given as Python values)."""
