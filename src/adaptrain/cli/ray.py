@@ -167,6 +167,4 @@ def _connect(ray, address: str | None, **init_kwargs) -> None:
                 "(try %d of %d): trying again in %g s",
                 address, attempt, CLIENT_TRIES, CLIENT_RETRY_DELAY,
             )  # fmt: skip
-            if ray.is_initialized():
-                ray.shutdown()
             time.sleep(CLIENT_RETRY_DELAY)

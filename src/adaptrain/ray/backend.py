@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from adaptrain.service.backend import LOST, Node
+from adaptrain.service.backend import LOST, Node, replica_file
 from adaptrain.service.config import is_loopback
 from adaptrain.service.store import ReplicaRecord
 
@@ -265,10 +265,10 @@ class RayBackend:
 
     # ---- launching --------------------------------------------------------------------------
     def log_path(self, job: str, group: int, rank: int) -> str:
-        return os.path.join(self.run_dir, job, f"g{group}-r{rank}.log")
+        return replica_file(self.run_dir, job, group, rank, ".log")
 
     def status_path(self, job: str, group: int, rank: int) -> str:
-        return os.path.join(self.run_dir, job, f"g{group}-r{rank}.status")
+        return replica_file(self.run_dir, job, group, rank, ".status")
 
     def _pg_name(self, job: str, group: int) -> str:
         return f"{self.namespace}:{job}:g{group}"

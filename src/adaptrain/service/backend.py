@@ -9,13 +9,21 @@ next round sees the change.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from .store import ReplicaRecord
 
-__all__ = ["LOST", "Backend", "Node"]
+__all__ = ["LOST", "Backend", "Node", "replica_file"]
+
+
+def replica_file(run_dir: str, job: str, group: int, rank: int, suffix: str) -> str:
+    """Where a backend keeps replica ``rank`` of restart ``group``'s ``.log`` or ``.status``
+    file (``suffix``) under its ``run_dir``: one layout for every backend."""
+    return os.path.join(run_dir, job, f"g{group}-r{rank}{suffix}")
+
 
 #: exit status of a replica whose launcher vanished without a status (killed with -9, or its
 #: node lost)

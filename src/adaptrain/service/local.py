@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import psutil
 
-from .backend import LOST, Node
+from .backend import LOST, Node, replica_file
 from .store import ReplicaRecord
 
 logger = logging.getLogger(__name__)
@@ -109,10 +109,10 @@ class LocalBackend:
 
     # ---- paths ----------------------------------------------------------------------------
     def status_path(self, job: str, group: int, rank: int) -> str:
-        return os.path.join(self.run_dir, job, f"g{group}-r{rank}.status")
+        return replica_file(self.run_dir, job, group, rank, ".status")
 
     def log_path(self, job: str, group: int, rank: int) -> str:
-        return os.path.join(self.run_dir, job, f"g{group}-r{rank}.log")
+        return replica_file(self.run_dir, job, group, rank, ".log")
 
     # ---- launching ------------------------------------------------------------------------
     def launch(

@@ -130,11 +130,6 @@ class PolicyProcess:
             )
         return self._pool
 
-    def _drop_pool(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
-
     def optimize(
         self, jobs: Mapping[str, Any], nodes: Mapping[str, Any], base: Mapping, now: float
     ) -> dict:
@@ -148,7 +143,7 @@ class PolicyProcess:
                     self._sync_local()
                     return alloc
                 except BrokenProcessPool:
-                    self._drop_pool()
+                    self.close(wait=False)
                     logger.warning(
                         "the policy's worker process died (try %d of 2): %s",
                         attempt,
@@ -185,12 +180,12 @@ class PolicyProcess:
         self._state = state
         self._local = _restored(self.name, self.cluster, self.seed, state)
         if not self._in_process:
-            self._drop_pool()
+            self.close(wait=False)
 
-    def close(self) -> None:
-        """Stop the worker process (waits for a round in progress)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the worker process (``wait``: for a round in progress to end)."""
         if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
     def __enter__(self) -> PolicyProcess:
