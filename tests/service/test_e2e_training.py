@@ -42,17 +42,28 @@ def _rescales(detail: dict) -> list[tuple[int, int]]:
     return out
 
 
-def _seen(share: str) -> tuple[dict[int, Counter], set[int]]:
+def _started(detail: dict) -> dict[int, int]:
+    """The replica count each restart group of a job was started with, from its events."""
+    out = {}
+    for event in detail["events"]:
+        m = re.match(r"group (\d+): (\d+) on", event["message"])
+        if event["kind"] == "Started" and m:
+            out[int(m.group(1))] = int(m.group(2))
+    return out
+
+
+def _seen(share: str) -> tuple[dict[int, Counter], dict[int, set[int]]]:
     """Per epoch, how often each training sample was seen (over every replica and restart
-    group), and the replica counts the job trained on."""
+    group), and per restart group the replica counts it trained on."""
     seen: dict[int, Counter] = defaultdict(Counter)
-    sizes = set()
+    sizes: dict[int, set[int]] = defaultdict(set)
     for path in glob.glob(os.path.join(share, "ids-g*-r*.jsonl")):
+        group = int(re.search(r"ids-g(\d+)-r", path).group(1))
         with open(path) as f:
             for line in f:
                 record = json.loads(line)
                 seen[record["epoch"]].update(record["ids"])
-                sizes.add(record["replicas"])
+                sizes[group].add(record["replicas"])
     return seen, sizes
 
 
@@ -79,6 +90,7 @@ def test_jobs_rescale_succeed_and_see_every_sample_once_per_epoch(server, tmp_pa
     assert any(new < old for r in rescales.values() for old, new in r), rescales
 
     state = srv.state_dir
+    trained_on = {}
     for name in JOBS:
         share = os.path.join(state, "jobs", name, "share")
         with open(os.path.join(share, "final.json")) as f:
@@ -91,17 +103,16 @@ def test_jobs_rescale_succeed_and_see_every_sample_once_per_epoch(server, tmp_pa
             twice = {i: k for i, k in counts.items() if k > 1}
             assert not missing and not twice and len(counts) == samples, (
                 f"{name} epoch {epoch}: {len(missing)} samples missing, {len(twice)} seen more "
-                f"than once (replica counts {sorted(sizes)}, rescales {rescales[name]})"
+                f"than once (replica counts {dict(sizes)}, rescales {rescales[name]})"
             )
-        last = details[name]["restarts"]
-        # a rescale whose replicas all ended their run while stopping finished the job: no
-        # new group started, so only the first `last` rescales led to a group of their size
-        targets = [new for _, new in rescales[name]][:last]
-        if targets and not glob.glob(os.path.join(share, f"ids-g{last}-r*.jsonl")):
-            # moved as its last epoch ended: the final group restored a finished run and
-            # trained no micro-batch, so its size leaves no ids (every earlier one must)
-            targets = targets[:-1]
-        assert set(targets) <= sizes, (name, sizes, rescales[name])  # every size it trained on
+        # every group that trained did so on the replicas it was started with (a rescale's
+        # target may change before its group starts, so the events of the start are the truth)
+        started = _started(details[name])
+        assert sizes and set(sizes) <= set(started), (name, dict(sizes), started)
+        for group, trained in sizes.items():
+            assert trained == {started[group]}, (name, group, trained, started)
+        trained_on[name] = {started[group] for group in sizes}
+    assert any(len(n) > 1 for n in trained_on.values()), (trained_on, rescales)
 
     moved = next(name for name in JOBS if rescales[name])
     srv.cli("cp", f"{moved}:final.json", str(tmp_path / "final.json"))
