@@ -166,3 +166,42 @@ def test_sigterm_is_held_while_fit_workers_start_then_interrupts(sigint):
     assert res.returncode == 0, res.stderr
     term = int(signal.SIGTERM)
     assert res.stdout.strip() == f"interrupted [[{term}]] [{term}, {term}]"
+
+
+DROPPED_IN_DEL = """
+import signal, sys
+from adaptrain.procs import recorded_interrupts, sigterm_as_interrupt
+
+class Interrupting:
+    def __del__(self):
+        signal.raise_signal(getattr(signal, sys.argv[1]))
+
+with sigterm_as_interrupt(), recorded_interrupts() as got:
+    Interrupting()  # freed at once: the handler's KeyboardInterrupt lands in its __del__
+    print("ran on", got, flush=True)  # Python dropped it
+    try:
+        if got:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        print("raised again", flush=True)
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+      sys.unraisablehook is sys.__unraisablehook__)
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_interrupt_python_drops_in_a_del_is_recorded_and_not_printed(sig):
+    """A KeyboardInterrupt that lands in a ``__del__`` is dropped by Python (the program runs
+    on): recorded_interrupts keeps it, so a loop can raise it again, prints no traceback for it,
+    and puts the handler and hook back after the block."""
+    res = subprocess.run(
+        [sys.executable, "-c", DROPPED_IN_DEL, sig], capture_output=True, text=True, timeout=30
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == [
+        f"ran on [{int(getattr(signal, sig))}]",
+        "raised again",
+        "True True",
+    ]
+    assert res.stderr == ""  # no "Exception ignored in ... KeyboardInterrupt"

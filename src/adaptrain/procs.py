@@ -18,6 +18,8 @@ parent with the one expected and signals itself at once.
 :func:`sigterm_as_interrupt` is the parent's side: within it a SIGTERM stops the program the way
 a Ctrl-C does, so its ``finally`` blocks stop its children cleanly (and multiprocessing's
 resource tracker, which exits once no process holds its pipe, goes with them).
+:func:`recorded_interrupts` keeps a record of those signals, so a long loop can raise one again
+that Python dropped.
 
 This module imports neither torch nor any other part of adaptrain.
 """
@@ -35,7 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["POLL_SECONDS", "die_with_parent", "sigterm_as_interrupt"]
+__all__ = ["POLL_SECONDS", "die_with_parent", "recorded_interrupts", "sigterm_as_interrupt"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,3 +136,45 @@ def sigterm_as_interrupt() -> Iterator[list[int]]:
         yield received
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def recorded_interrupts() -> Iterator[list[int]]:
+    """Within the block, a SIGINT (or a SIGTERM that :func:`sigterm_as_interrupt` hands to it)
+    raises ``KeyboardInterrupt`` as Python's default handler does, and is also recorded in the
+    list yielded, so a long loop can raise it again where it was lost.
+
+    It can be lost: a handler's exception that lands while a ``__del__`` method, a weakref
+    callback or a garbage collection runs is printed ("Exception ignored in ...") and dropped,
+    and the program goes on as if never interrupted. numba's and llvmlite's objects run such
+    code all the time, so a simulation interrupted at an unlucky moment would run on to its end.
+    A loop that checks the list each turn (``if interrupts: raise KeyboardInterrupt``) stops at
+    the next one instead, and such a dropped interrupt, recorded, is not printed. Where SIGINT
+    is not handled by Python's default handler (ignored, or a handler of the program's own), or
+    off the main thread, nothing changes (the list stays empty)."""
+    received: list[int] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield received
+        return
+
+    def on_sigint(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous_hook = sys.unraisablehook
+
+    def hook(unraisable: sys.UnraisableHookArgs) -> None:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and received:
+            return  # dropped, but recorded: the loop raises it again (no traceback printed)
+        previous_hook(unraisable)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    sys.unraisablehook = hook
+    try:
+        yield received
+    finally:
+        sys.unraisablehook = previous_hook
+        signal.signal(signal.SIGINT, signal.default_int_handler)

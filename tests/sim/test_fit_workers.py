@@ -221,3 +221,57 @@ def test_sigint_held_delivers_one_at_the_end_and_a_second_at_once(sigint_raises)
     with _sigint_held() as held:  # none: nothing raised
         pass
     assert held == []
+
+
+# The task queue's feeder thread must never be what frees the queue. Whoever drops a
+# multiprocessing semaphore last unlinks it, then tells the resource tracker; a daemon thread
+# doing so as the interpreter exits is stopped between the two, and the tracker then warns of a
+# "leaked" semaphore it cannot find (seen after a SIGTERM of `adaptrain simulate`). Recorded
+# here: the thread that runs each semaphore's clean-up, after a close that does not wait (an
+# interrupt) and one that does.
+_FREE_SCRIPT = """
+import gc, sys, threading, time
+from multiprocessing import synchronize
+from adaptrain.sim import SimJob, load_applications
+from adaptrain.sim.fitworkers import FitPrefetcher
+from adaptrain.sim.job import GoodputMemos
+
+cleanup = synchronize.SemLock._cleanup
+threads = []
+
+def recorded(name):
+    threads.append(threading.current_thread().name)
+    cleanup(name)
+
+synchronize.SemLock._cleanup = staticmethod(recorded)
+
+if __name__ == "__main__":
+    apps = load_applications(sys.argv[1])
+    for wait in (False, True):
+        memos = GoodputMemos()
+        jobs = [SimJob(str(i), apps["toy"], 0.0, adaptive=True, memos=memos) for i in range(50)]
+        for job in jobs:
+            job.reallocate([1])
+        prefetch = FitPrefetcher(apps, memos, workers=1)
+        prefetch.submit(jobs, 600.0, lambda j: 0.0)  # more than the worker takes at once
+        prefetch.close(wait=wait)
+        del prefetch
+        gc.collect()
+    time.sleep(1.0)  # a feeder thread left running has long finished
+    print(sorted(set(threads)))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_task_queue_is_never_freed_by_its_feeder_thread(tiny_traces, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "free.py"
+    script.write_text(_FREE_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, str(script), tiny_traces], capture_output=True, text=True, timeout=100
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "['MainThread']", proc.stdout
+    assert proc.stderr == ""  # in particular no "leaked" semaphore from the tracker

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +156,13 @@ def run(args: argparse.Namespace) -> int:
     printed and the plot written only once every policy has been simulated, so an interrupted
     simulation leaves nothing behind (``--plot``'s folder excepted, created up front). A SIGTERM
     stops it the same way (its fit workers stopped), exiting 143."""
-    from adaptrain.procs import sigterm_as_interrupt
+    from adaptrain.procs import recorded_interrupts, sigterm_as_interrupt
 
     where = _Where()
     terminated: list[int] = []
     try:
-        with sigterm_as_interrupt() as terminated:
-            return _run(args, where)
+        with sigterm_as_interrupt() as terminated, recorded_interrupts() as interrupts:
+            return _run(args, where, lambda: bool(terminated or interrupts))
     except KeyboardInterrupt:
         # On a terminal, over the "^C" it echoed (a bar has already ended its line).
         start = "\r" if sys.stderr.isatty() and not terminated else ""
@@ -183,7 +184,14 @@ def _interrupted(where: _Where) -> str:
     )
 
 
-def _run(args: argparse.Namespace, where: _Where) -> int:
+def _run(args: argparse.Namespace, where: _Where, interrupted: Callable[[], bool]) -> int:
+    """The command; ``interrupted()`` tells whether a SIGINT or SIGTERM came, which each round
+    raises again in case Python dropped it (:func:`adaptrain.procs.recorded_interrupts`)."""
+
+    def check(_sim: object = None) -> None:
+        if interrupted():
+            raise KeyboardInterrupt
+
     from adaptrain.sched import ClusterSpec
     from adaptrain.sim.simulator import SimulationStalled, Simulator
     from adaptrain.sim.traces import load_applications, load_workload
@@ -232,7 +240,8 @@ def _run(args: argparse.Namespace, where: _Where) -> int:
     for index, (name, sim) in enumerate(sims.items(), 1):
         where.policy, where.index, where.sim = name, index, sim
         try:
-            results[name] = sim.run(progress=not args.no_progress and not args.json)
+            results[name] = sim.run(progress=not args.no_progress and not args.json, callback=check)
+            check()
         except SimulationStalled as exc:
             print(f"adaptrain simulate: {name}: {exc}", file=sys.stderr)
             return 1

@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 _SLOTS = 1 << 16
 _FREE, _WORKER, _CALLER = 0, 1, 2  # who runs a task: nobody yet, a worker, the caller
 _STOP = None  # the message that ends a worker
+_ABANDONED: list[Any] = []  # task queues closed with a feeder thread maybe still writing
 
 
 @contextmanager
@@ -394,9 +395,20 @@ class FitPrefetcher:
             if proc.is_alive():
                 proc.terminate()
             proc.join()
-        for q in (self._tasks, self._results):
-            q.close()
-            q.cancel_join_thread()  # nobody reads them any more
+        self._results.close()  # (this process never puts: no feeder thread to wait for)
+        self._tasks.close()
+        if graceful and all(proc.exitcode == 0 for proc in self._procs):
+            # each worker read up to a _STOP, after every task: nothing is left to write
+            self._tasks.join_thread()
+        else:
+            # Tasks may be left in the queue's feeder thread with no reader, so it may never
+            # end: not waited for. But it must not be what frees the queue either: the last
+            # holder of a semaphore unlinks it, then tells the resource tracker, and a daemon
+            # thread doing so as the interpreter exits is stopped between the two, leaving the
+            # tracker to warn of a "leaked" semaphore it cannot find. Kept here, the queue's
+            # semaphores are freed by this process's exit handler, on its main thread.
+            self._tasks.cancel_join_thread()
+            _ABANDONED.append(self._tasks)
 
     def __enter__(self) -> FitPrefetcher:
         return self
