@@ -26,12 +26,13 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from adaptrain.procs import sigterm_as_interrupt
+from adaptrain.procs import recorded_interrupts, sigterm_as_interrupt
 
 #: (seconds after the start it arrives, name, workload, share of the budget it trains until)
 JOBS = (
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
     failed = False
     report: dict[str, Any] | None = None
     started = time.time()
-    with sigterm_as_interrupt() as sigterms:
+    with sigterm_as_interrupt() as sigterms, recorded_interrupts() as interrupts:
         try:
             thread.start()
             if not ready.wait(60):
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace, out: Path) -> int:
             )
             with Client(server.url) as client:
                 try:
-                    _follow(client, args, started, budget)
+                    _follow(client, args, started, budget, lambda: bool(sigterms or interrupts))
                 finally:
                     try:
                         report = _collect(client, started)
@@ -153,9 +154,16 @@ def _job_spec(name: str, workload: str, until: float) -> dict[str, Any]:
     }
 
 
-def _follow(client: Any, args: argparse.Namespace, started: float, budget: float) -> None:
+def _follow(
+    client: Any,
+    args: argparse.Namespace,
+    started: float,
+    budget: float,
+    interrupted: Callable[[], bool],
+) -> None:
     """Submit the jobs on their schedule and show the allocation until every job has ended
-    (or the budget and its slack are spent)."""
+    (or the budget and its slack are spent). ``interrupted()``: a SIGINT or SIGTERM came, raised
+    again in case Python dropped it (:func:`adaptrain.procs.recorded_interrupts`)."""
     bar = None
     if not args.no_bar and sys.stderr.isatty():
         from tqdm import tqdm
@@ -165,6 +173,8 @@ def _follow(client: Any, args: argparse.Namespace, started: float, budget: float
     last_line = 0.0
     try:
         while True:
+            if interrupted():
+                raise KeyboardInterrupt
             now = time.time()
             elapsed = now - started
             while pending and elapsed >= pending[0][0]:
