@@ -147,19 +147,25 @@ def run(args: argparse.Namespace) -> int:
 # transient failure on a loaded head): asked again this many times, this many seconds apart
 CLIENT_TRIES = 3
 CLIENT_RETRY_DELAY = 2.0
+# what Ray Client raises then: the server's reply to the driver's init, or, where the server
+# closed the session's stream before that reply was read, a client already disconnected
+CLIENT_TRANSIENT = (
+    "Initialization failure from server",
+    "Ray client has already been disconnected",
+)
 
 
 def _connect(ray, address: str | None, **init_kwargs) -> None:
     """``ray.init(address, **init_kwargs)``; through Ray Client, tried again when the cluster's
-    client server answered with an initialization failure (a cluster that does not answer
-    fails at once)."""
+    client server answered but failed to start this driver (:data:`CLIENT_TRANSIENT`; a
+    cluster that does not answer fails at once)."""
     log = logging.getLogger("adaptrain.ray")
     for attempt in range(1, CLIENT_TRIES + 1):
         try:
             ray.init(address=address, **init_kwargs)
             return
         except (ConnectionError, RuntimeError) as exc:
-            transient = "Initialization failure from server" in str(exc)
+            transient = any(text in str(exc) for text in CLIENT_TRANSIENT)
             if not (address or "").startswith("ray://") or not transient or attempt == CLIENT_TRIES:
                 raise
             log.warning(
