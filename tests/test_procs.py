@@ -170,7 +170,7 @@ def test_sigterm_is_held_while_fit_workers_start_then_interrupts(sigint):
 
 DROPPED_IN_DEL = """
 import signal, sys
-from adaptrain.procs import recorded_interrupts, sigterm_as_interrupt
+from adaptrain.procs import raise_if_interrupted, recorded_interrupts, sigterm_as_interrupt
 
 class Interrupting:
     def __del__(self):
@@ -180,8 +180,7 @@ with sigterm_as_interrupt(), recorded_interrupts() as got:
     Interrupting()  # freed at once: the handler's KeyboardInterrupt lands in its __del__
     print("ran on", got, flush=True)  # Python dropped it
     try:
-        if got:
-            raise KeyboardInterrupt
+        raise_if_interrupted(got)
     except KeyboardInterrupt:
         print("raised again", flush=True)
 print(signal.getsignal(signal.SIGINT) is signal.default_int_handler,

@@ -37,7 +37,13 @@ import threading
 import time
 from collections.abc import Iterator
 
-__all__ = ["POLL_SECONDS", "die_with_parent", "recorded_interrupts", "sigterm_as_interrupt"]
+__all__ = [
+    "POLL_SECONDS",
+    "die_with_parent",
+    "raise_if_interrupted",
+    "recorded_interrupts",
+    "sigterm_as_interrupt",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -148,8 +154,8 @@ def recorded_interrupts() -> Iterator[list[int]]:
     callback or a garbage collection runs is printed ("Exception ignored in ...") and dropped,
     and the program goes on as if never interrupted. numba's and llvmlite's objects run such
     code all the time, so a simulation interrupted at an unlucky moment would run on to its end.
-    A loop that checks the list each turn (``if interrupts: raise KeyboardInterrupt``) stops at
-    the next one instead, and such a dropped interrupt, recorded, is not printed. Where SIGINT
+    A loop that checks the list each turn (:func:`raise_if_interrupted`) stops at the next one
+    instead, and such a dropped interrupt, recorded, is not printed. Where SIGINT
     is not handled by Python's default handler (ignored, or a handler of the program's own), or
     off the main thread, nothing changes (the list stays empty)."""
     received: list[int] = []
@@ -178,3 +184,10 @@ def recorded_interrupts() -> Iterator[list[int]]:
     finally:
         sys.unraisablehook = previous_hook
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def raise_if_interrupted(*records: list[int]) -> None:
+    """Raise ``KeyboardInterrupt`` if any of ``records`` (the lists :func:`recorded_interrupts`
+    and :func:`sigterm_as_interrupt` yield) holds a signal: one Python dropped, raised again."""
+    if any(records):
+        raise KeyboardInterrupt

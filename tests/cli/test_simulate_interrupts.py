@@ -66,7 +66,7 @@ _EXEC_INTERRUPTED = """
 import sys
 from adaptrain.cli import main, simulate
 
-def interrupted_in_source_text(args, where, interrupted):
+def interrupted_in_source_text(args, where, check):
     # as a Ctrl-C that lands in an import which runs source text (scipy's, numpy's)
     exec("raise KeyboardInterrupt")
 

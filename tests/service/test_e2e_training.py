@@ -32,24 +32,24 @@ JOBS = {  # name -> the training script's arguments
 }
 
 
-def _rescales(detail: dict) -> list[tuple[int, int]]:
-    """The ``(old, new)`` replica counts of every rescale of a job, from its events."""
+def _events(detail: dict, kind: str, pattern: str) -> list[tuple[int, int]]:
+    """The two numbers ``pattern`` captures in each of a job's events of ``kind``."""
     out = []
     for event in detail["events"]:
-        m = re.match(r"rescale: (\d+) -> (\d+) replicas", event["message"])
-        if event["kind"] == "Stopping" and m:
+        m = re.match(pattern, event["message"])
+        if event["kind"] == kind and m:
             out.append((int(m.group(1)), int(m.group(2))))
     return out
 
 
+def _rescales(detail: dict) -> list[tuple[int, int]]:
+    """The ``(old, new)`` replica counts of every rescale of a job, from its events."""
+    return _events(detail, "Stopping", r"rescale: (\d+) -> (\d+) replicas")
+
+
 def _started(detail: dict) -> dict[int, int]:
     """The replica count each restart group of a job was started with, from its events."""
-    out = {}
-    for event in detail["events"]:
-        m = re.match(r"group (\d+): (\d+) on", event["message"])
-        if event["kind"] == "Started" and m:
-            out[int(m.group(1))] = int(m.group(2))
-    return out
+    return dict(_events(detail, "Started", r"group (\d+): (\d+) on"))
 
 
 def _seen(share: str) -> tuple[dict[int, Counter], dict[int, set[int]]]:

@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-from adaptrain.procs import recorded_interrupts, sigterm_as_interrupt
+from adaptrain.procs import raise_if_interrupted, recorded_interrupts, sigterm_as_interrupt
 
 #: (seconds after the start it arrives, name, workload, share of the budget it trains until)
 JOBS = (
@@ -111,7 +111,13 @@ def run(args: argparse.Namespace, out: Path) -> int:
             )
             with Client(server.url) as client:
                 try:
-                    _follow(client, args, started, budget, lambda: bool(sigterms or interrupts))
+                    _follow(
+                        client,
+                        args,
+                        started,
+                        budget,
+                        lambda: raise_if_interrupted(sigterms, interrupts),
+                    )
                 finally:
                     try:
                         report = _collect(client, started)
@@ -159,11 +165,11 @@ def _follow(
     args: argparse.Namespace,
     started: float,
     budget: float,
-    interrupted: Callable[[], bool],
+    check: Callable[[], None],
 ) -> None:
     """Submit the jobs on their schedule and show the allocation until every job has ended
-    (or the budget and its slack are spent). ``interrupted()``: a SIGINT or SIGTERM came, raised
-    again in case Python dropped it (:func:`adaptrain.procs.recorded_interrupts`)."""
+    (or the budget and its slack are spent). ``check()`` raises again a SIGINT or SIGTERM Python
+    dropped (:func:`adaptrain.procs.recorded_interrupts`)."""
     bar = None
     if not args.no_bar and sys.stderr.isatty():
         from tqdm import tqdm
@@ -173,8 +179,7 @@ def _follow(
     last_line = 0.0
     try:
         while True:
-            if interrupted():
-                raise KeyboardInterrupt
+            check()
             now = time.time()
             elapsed = now - started
             while pending and elapsed >= pending[0][0]:

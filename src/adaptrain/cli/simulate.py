@@ -156,13 +156,13 @@ def run(args: argparse.Namespace) -> int:
     printed and the plot written only once every policy has been simulated, so an interrupted
     simulation leaves nothing behind (``--plot``'s folder excepted, created up front). A SIGTERM
     stops it the same way (its fit workers stopped), exiting 143."""
-    from adaptrain.procs import recorded_interrupts, sigterm_as_interrupt
+    from adaptrain.procs import raise_if_interrupted, recorded_interrupts, sigterm_as_interrupt
 
     where = _Where()
     terminated: list[int] = []
     try:
         with sigterm_as_interrupt() as terminated, recorded_interrupts() as interrupts:
-            return _run(args, where, lambda: bool(terminated or interrupts))
+            return _run(args, where, lambda *_: raise_if_interrupted(terminated, interrupts))
     except KeyboardInterrupt:
         # On a terminal, over the "^C" it echoed (a bar has already ended its line).
         start = "\r" if sys.stderr.isatty() and not terminated else ""
@@ -184,14 +184,9 @@ def _interrupted(where: _Where) -> str:
     )
 
 
-def _run(args: argparse.Namespace, where: _Where, interrupted: Callable[[], bool]) -> int:
-    """The command; ``interrupted()`` tells whether a SIGINT or SIGTERM came, which each round
-    raises again in case Python dropped it (:func:`adaptrain.procs.recorded_interrupts`)."""
-
-    def check(_sim: object = None) -> None:
-        if interrupted():
-            raise KeyboardInterrupt
-
+def _run(args: argparse.Namespace, where: _Where, check: Callable[..., None]) -> int:
+    """The command; ``check()`` raises again, each round, a SIGINT or SIGTERM Python dropped
+    (:func:`adaptrain.procs.recorded_interrupts`)."""
     from adaptrain.sched import ClusterSpec
     from adaptrain.sim.simulator import SimulationStalled, Simulator
     from adaptrain.sim.traces import load_applications, load_workload
